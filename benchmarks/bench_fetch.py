@@ -1,0 +1,152 @@
+"""Fetch throughput on loopback, side by side with raw Mooncake and memcpy.
+
+One publisher process holds a version (default 1 GiB); this process reads it, in the
+same run and interleaved round by round:
+
+* ``memcpy``   -- a local tensor copy of the same size (the machine's ceiling),
+* ``mooncake`` -- a raw Mooncake batch read of the same bytes (the publisher's registered
+  memory, 64 MiB entries, one async batch, polled),
+* ``tensorhub``-- ``hub.fetch(..., into=preallocated, serve=False)`` through the
+  coordinator (lease, chunked reads, release),
+* ``tensorhub-new`` -- ``hub.fetch`` into freshly allocated tensors (page faults included).
+
+Prints GB/s (median of the rounds) and the ratios, writes JSON.
+
+    python benchmarks/bench_fetch.py [--gib 1] [--rounds 5] [--json out/bench_fetch.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+
+def publisher(url: str, nbytes: int, conn) -> None:  # pragma: no cover - child process
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    import torch
+
+    import tensorhub
+
+    n = 16
+    per = nbytes // n // 4
+    weights = {f"layers.{i}.weight": torch.arange(per, dtype=torch.int32).add_(i * 7919).view(torch.float32)
+               for i in range(n)}
+    hub = tensorhub.connect(url, worker_id="bench-publisher")
+    v = hub.publish("bench", weights)
+    conn.send((v, hub.endpoint, [t.data_ptr() for t in weights.values()], [t.nbytes for t in weights.values()]))
+    conn.recv()  # wait until the reader is done
+    hub.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0, help="version size in GiB")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default="out/bench_fetch.json")
+    args = ap.parse_args()
+
+    import torch
+
+    import tensorhub
+    from tensorhub.coordinator import EmbeddedCoordinator
+    from tensorhub.transport import DONE, PENDING, MooncakeTransport, ReadOp
+
+    nbytes = int(args.gib * (1 << 30)) // (16 * 4) * 16 * 4
+    with tempfile.TemporaryDirectory() as state, EmbeddedCoordinator(state) as coord:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=publisher, args=(coord.url, nbytes, child), daemon=True)
+        proc.start()
+        version, endpoint, addrs, sizes = parent.recv()
+
+        hub = tensorhub.connect(coord.url, worker_id="bench-reader")
+        dst = {f"layers.{i}.weight": torch.zeros(s // 4, dtype=torch.float32) for i, s in enumerate(sizes)}
+        flat_src = torch.ones(nbytes // 4, dtype=torch.float32)
+        flat_dst = torch.zeros(nbytes // 4, dtype=torch.float32)
+        raw = MooncakeTransport(host="127.0.0.1")
+        raw.start()
+        raw_dst = torch.zeros(nbytes // 4, dtype=torch.float32)
+        raw.register(raw_dst.data_ptr(), raw_dst.nbytes)
+        entry = 64 << 20
+
+        def t_memcpy() -> float:
+            t0 = time.perf_counter()
+            flat_dst.copy_(flat_src)
+            return time.perf_counter() - t0
+
+        def t_mooncake() -> float:
+            ops, off = [], 0
+            for a, s in zip(addrs, sizes):
+                for o in range(0, s, entry):
+                    n = min(entry, s - o)
+                    ops.append(ReadOp(raw_dst.data_ptr() + off + o, a + o, n))
+                off += s
+            t0 = time.perf_counter()
+            h = raw.submit_read(endpoint, ops)
+            while (st := raw.poll(h)) == PENDING:
+                time.sleep(0.0005)
+            assert st == DONE, st
+            return time.perf_counter() - t0
+
+        def t_fetch() -> float:
+            t0 = time.perf_counter()
+            hub.fetch("bench", version, into=dst, serve=False)
+            return time.perf_counter() - t0
+
+        def t_fetch_new() -> float:
+            t0 = time.perf_counter()
+            out = hub.fetch("bench", version, serve=False)
+            dt = time.perf_counter() - t0
+            del out
+            return dt
+
+        cases = {"memcpy": t_memcpy, "mooncake": t_mooncake, "tensorhub": t_fetch, "tensorhub-new": t_fetch_new}
+        for fn in cases.values():  # warm up connections and page tables
+            fn()
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for _ in range(args.rounds):
+            for k, fn in cases.items():
+                times[k].append(fn())
+        # the bytes really moved
+        for i, t in enumerate(dst.values()):
+            want = torch.arange(t.numel(), dtype=torch.int32).add_(i * 7919).view(torch.float32)
+            assert torch.equal(t.view(torch.int32), want.view(torch.int32)), f"tensor {i} differs"
+        assert torch.equal(raw_dst.view(torch.int32)[: sizes[0] // 4], torch.arange(sizes[0] // 4, dtype=torch.int32))
+        parent.send("done")
+        proc.join(30)
+        hub.close()
+        raw.close()
+
+    gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    result = {
+        "bytes": nbytes,
+        "rounds": args.rounds,
+        "gbps": gbps,
+        "seconds": times,
+        "ratio_tensorhub_vs_mooncake": gbps["tensorhub"] / gbps["mooncake"],
+        "ratio_tensorhub_new_vs_mooncake": gbps["tensorhub-new"] / gbps["mooncake"],
+        "ratio_mooncake_vs_memcpy": gbps["mooncake"] / gbps["memcpy"],
+    }
+    print(f"version size: {nbytes / (1 << 30):.2f} GiB, {args.rounds} rounds, medians")
+    print(f"{'path':<15}{'GB/s':>8}{'vs raw mooncake':>18}")
+    for k, g in gbps.items():
+        print(f"{k:<15}{g:>8.2f}{g / gbps['mooncake']:>17.2f}x")
+    target = result["ratio_tensorhub_vs_mooncake"]
+    print(f"tensorhub fetch / raw Mooncake = {target:.2f}x (target >= 0.90x): {'PASS' if target >= 0.9 else 'MISS'}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

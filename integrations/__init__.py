@@ -1,0 +1,1 @@
+"""Engine adapters (vLLM, SGLang). Each imports its engine lazily, inside functions."""

@@ -1,0 +1,226 @@
+"""The reader's data path: chunked, striped, asynchronous reads with failover.
+
+Runs in the reader process, called by ``Hub.fetch``. The shard is cut into chunks (at
+most ``chunk_bytes`` and at most ``MAX_BATCH_ENTRIES`` tensor pieces each, so a chunk is
+one batch of at most 2048 entries of at most 1 GiB). Each source keeps ``depth``
+batches in flight; completion is polled with a short, growing sleep (no spinning).
+
+Failures: a batch that fails marks its source failed (reported to the coordinator) and
+its chunk goes back to the queue for another source. A batch that makes no progress
+within its deadline marks its source hung; its chunk is re-read only after the transport
+says that batch reached a terminal state, because until then the engine may still write
+into that destination (Mooncake's ``MC_TCP_PROGRESS_TIMEOUT_SEC`` bounds the wait).
+When no source is left, ``get_sources`` is asked for more (a new lease).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from ._exceptions import FetchError, TransferError
+from .transport import DONE, MAX_BATCH_ENTRIES, MAX_ENTRY_BYTES, PENDING, ReadOp, Transport
+
+__all__ = ["Source", "ShardReader", "ReadStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One replica a reader may read from, under ``lease_id``."""
+
+    replica_id: str
+    worker_id: str
+    endpoint: str
+    addresses: tuple[int, ...]
+    lease_id: str
+    cost: int = 0
+
+
+@dataclass
+class ReadStats:
+    nbytes: int = 0
+    seconds: float = 0.0
+    bytes_by_source: dict[str, int] = field(default_factory=dict)  # worker_id -> bytes
+    chunks_by_lease: dict[str, list[int]] = field(default_factory=dict)
+    failed_sources: list[str] = field(default_factory=list)  # replica ids
+
+
+@dataclass
+class _Inflight:
+    chunk: int
+    source: Source
+    submitted: float
+    deadline: float
+    abandoned: bool = False
+
+
+class ShardReader:
+    """Reads one shard into local memory; one instance per fetch attempt."""
+
+    def __init__(self, transport: Transport, sizes: list[int], local_addrs: list[int], *,
+                 chunk_bytes: int = 64 << 20, depth: int = 2, progress_timeout: float = 10.0,
+                 min_rate: float = 10e6, poll_interval: float = 0.002) -> None:
+        if not 0 < chunk_bytes <= MAX_ENTRY_BYTES:
+            raise ValueError(f"chunk_bytes must be in (0, {MAX_ENTRY_BYTES}]")
+        self.t = transport
+        self.sizes = sizes
+        self.local = local_addrs
+        self.depth = max(1, depth)
+        self.progress_timeout = progress_timeout
+        self.min_rate = min_rate
+        self.poll_interval = poll_interval
+        self.chunks = self._cut(chunk_bytes)
+        #: True when a run ended with a batch that may still write into local memory.
+        self.stuck = False
+
+    def _cut(self, chunk_bytes: int) -> list[list[tuple[int, int, int]]]:
+        """Chunks as lists of (tensor index, offset in tensor, length)."""
+        chunks: list[list[tuple[int, int, int]]] = []
+        cur: list[tuple[int, int, int]] = []
+        room = chunk_bytes
+        for i, n in enumerate(self.sizes):
+            off = 0
+            while off < n:
+                take = min(n - off, room)
+                cur.append((i, off, take))
+                off += take
+                room -= take
+                if room == 0 or len(cur) == MAX_BATCH_ENTRIES:
+                    chunks.append(cur)
+                    cur, room = [], chunk_bytes
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def chunk_bytes(self, c: int) -> int:
+        return sum(p[2] for p in self.chunks[c])
+
+    def _ops(self, c: int, src: Source) -> list[ReadOp]:
+        ops: list[ReadOp] = []
+        for i, off, n in self.chunks[c]:
+            local, remote = self.local[i] + off, src.addresses[i] + off
+            if ops and ops[-1].local_addr + ops[-1].length == local and \
+                    ops[-1].remote_addr + ops[-1].length == remote and ops[-1].length + n <= MAX_ENTRY_BYTES:
+                last = ops.pop()
+                ops.append(ReadOp(last.local_addr, last.remote_addr, last.length + n))
+            else:
+                ops.append(ReadOp(local, remote, n))
+        return ops
+
+    def run(self, get_sources: Callable[[set[str]], list[Source]],
+            report: Callable[[Source, str], None], *, chunks: Optional[list[int]] = None,
+            deadline: float = float("inf"), on_tick: Callable[[], None] = lambda: None) -> ReadStats:
+        """Read ``chunks`` (default: all). ``get_sources(excluded_replica_ids)`` returns fresh
+        sources or raises; ``report(source, reason)`` tells the coordinator about a failure."""
+        stats = ReadStats()
+        todo = deque(range(len(self.chunks)) if chunks is None else chunks)
+        inflight: dict[int, _Inflight] = {}
+        failed: set[str] = set()
+        sources: list[Source] = []
+        t0 = time.monotonic()
+
+        def fail(src: Source, reason: str) -> None:
+            if src.replica_id in failed:
+                return
+            failed.add(src.replica_id)
+            stats.failed_sources.append(src.replica_id)
+            sources[:] = [s for s in sources if s.replica_id != src.replica_id]
+            logger.warning("source %s (%s) failed: %s; continuing from other replicas",
+                           src.worker_id, src.endpoint, reason)
+            try:
+                report(src, reason)
+            except Exception as e:  # reporting is best effort
+                logger.debug("could not report %s: %s", src.replica_id, e)
+
+        try:
+            self._loop(todo, inflight, failed, sources, stats, fail, get_sources, deadline, on_tick)
+        except BaseException:
+            self._drain(inflight)
+            raise
+        stats.seconds = time.monotonic() - t0
+        return stats
+
+    def _drain(self, inflight: dict[int, "_Inflight"]) -> None:
+        """After an error: wait (bounded) until no batch can still write into local memory."""
+        end = time.monotonic() + 2 * self.progress_timeout + 5
+        while inflight and time.monotonic() < end:
+            for h in list(inflight):
+                try:
+                    if self.t.poll(h) != PENDING:
+                        del inflight[h]
+                except TransferError:
+                    del inflight[h]
+            time.sleep(self.poll_interval)
+        if inflight:
+            self.stuck = True
+            logger.error("%d read batch(es) never ended; their destination memory is quarantined",
+                         len(inflight))
+
+    def _loop(self, todo, inflight, failed, sources, stats, fail, get_sources, deadline, on_tick) -> None:
+        sleep = self.poll_interval / 8
+        while todo or inflight:
+            now = time.monotonic()
+            if now > deadline:
+                stuck = [f.source.endpoint for f in inflight.values() if f.abandoned]
+                raise FetchError(
+                    f"fetch deadline passed with {len(todo) + len(inflight)} of {len(self.chunks)} chunks "
+                    f"unread" + (f"; batches from {sorted(set(stuck))} never ended" if stuck else "")
+                )
+            if todo and not sources:
+                sources.extend(s for s in get_sources(set(failed)) if s.replica_id not in failed)
+                if not sources:
+                    raise FetchError("no source left to read from")
+            # submit
+            busy = {s.replica_id: 0 for s in sources}
+            for f in inflight.values():
+                if not f.abandoned and f.source.replica_id in busy:
+                    busy[f.source.replica_id] += 1
+            progressed = True
+            while todo and progressed:
+                progressed = False
+                for src in sorted(sources, key=lambda s: busy[s.replica_id]):
+                    if not todo or busy[src.replica_id] >= self.depth:
+                        continue
+                    c = todo.popleft()
+                    try:
+                        h = self.t.submit_read(src.endpoint, self._ops(c, src))
+                    except TransferError as e:
+                        todo.appendleft(c)
+                        fail(src, str(e))
+                        break
+                    nb = self.chunk_bytes(c)
+                    inflight[h] = _Inflight(c, src, now, now + self.progress_timeout + nb / self.min_rate)
+                    busy[src.replica_id] += 1
+                    progressed = True
+            # poll
+            done_any = False
+            for h in list(inflight):
+                f = inflight[h]
+                st = self.t.poll(h)
+                if st == PENDING:
+                    if not f.abandoned and time.monotonic() > f.deadline:
+                        f.abandoned = True  # keep polling: the buffer is not ours until it ends
+                        fail(f.source, f"no progress for {f.deadline - f.submitted:.1f}s (hung)")
+                    continue
+                del inflight[h]
+                done_any = True
+                if st == DONE and not f.abandoned:
+                    nb = self.chunk_bytes(f.chunk)
+                    stats.nbytes += nb
+                    stats.bytes_by_source[f.source.worker_id] = stats.bytes_by_source.get(f.source.worker_id, 0) + nb
+                    stats.chunks_by_lease.setdefault(f.source.lease_id, []).append(f.chunk)
+                else:
+                    if st != DONE:
+                        fail(f.source, f"read failed with code {st}")
+                    todo.append(f.chunk)
+            on_tick()
+            if done_any:
+                sleep = self.poll_interval / 8
+            elif inflight:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, self.poll_interval)

@@ -1,0 +1,545 @@
+"""The coordinator's decisions, as a pure state machine.
+
+No I/O and no clock: every method takes ``now`` (seconds, monotonic or wall, the caller
+decides) and either returns its decision or raises a :class:`CoordinatorError` subclass
+whose ``status`` the HTTP shell sends back. Durable changes (models, version counters,
+manifests) are queued as *writes*; the shell commits them (``take_writes()``) to its
+store before it answers, so nothing a client was told is lost by a restart.
+``CoordinatorState.restore(rows)`` rebuilds the durable part after a restart; soft state
+(workers, replicas, leases) starts empty and is re-registered by the clients.
+
+Invariants this module keeps (DESIGN.md, "Protocol and its invariants"):
+
+1. ``latest`` only returns versions whose layout has a manifest for every shard, i.e.
+   every shard has had a replica ("complete").
+2. A replica being unpublished gets no new leases and is removed only once no unexpired
+   lease names it; after a restart, not before ``boot + lease_ttl`` (leases granted by
+   the previous incarnation have lapsed by then).
+3. Releasing a lease answers whether it stayed valid (unexpired) for the whole read.
+4. Version numbers only grow; an explicit version below the counter must already exist.
+5. The first manifest registered for (model, version, layout, shard) is final; a
+   different one is refused naming the first difference.
+6. Unpublishing the last replica of a model's newest complete version is refused.
+7. All ranks resolving with the same ``group`` get the same version.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from ._exceptions import (
+    ConflictError,
+    ManifestMismatchError,
+    NotFoundError,
+    RetentionError,
+)
+from ._wire import (
+    AcquireLease,
+    LeaseGrant,
+    Locality,
+    Manifest,
+    RegisterReplica,
+    ReplicaInfo,
+    first_difference,
+)
+
+__all__ = ["StateConfig", "CoordinatorState", "Write"]
+
+#: A durable change: (table, key tuple, value). See ``_store.py``.
+Write = tuple
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    """Timing knobs of the coordinator (seconds)."""
+
+    #: How long a read lease stays valid without renewal.
+    lease_ttl: float = 30.0
+    #: A worker that has not heart-beaten for this long is dead; its replicas are dropped.
+    worker_ttl: float = 10.0
+    #: How long a replica reported as failing gets no new leases.
+    suspect_ttl: float = 30.0
+    #: How long a group's resolved version is remembered.
+    group_ttl: float = 600.0
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    endpoint: str
+    locality: Locality
+    last_seen: float
+    registered_at: float
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    worker_id: str
+    model: str
+    version: int
+    layout: str
+    shard: int
+    addresses: list[int]
+    registered_at: float
+    draining: bool = False
+    suspect_until: float = 0.0
+    served: int = 0  # leases granted on it
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    worker_id: str
+    model: str
+    version: int
+    layout: str
+    shard: int
+    replica_ids: tuple[str, ...]
+    granted_at: float
+    expires: float
+
+
+@dataclass
+class LayoutInfo:
+    num_shards: int
+    manifests: dict[int, Manifest] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.manifests) == self.num_shards
+
+
+@dataclass
+class VersionInfo:
+    created: float
+    layouts: dict[str, LayoutInfo] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return any(li.complete for li in self.layouts.values())
+
+
+@dataclass
+class ModelInfo:
+    counter: int = 0  # highest version number ever handed out
+    versions: dict[int, VersionInfo] = field(default_factory=dict)
+
+
+def locality_cost(a: Locality, b: Locality) -> int:
+    """0 same host, 1 same zone, 2 same datacenter, 3 elsewhere."""
+    if a.datacenter != b.datacenter:
+        return 3
+    if a.zone != b.zone:
+        return 2
+    if a.host != b.host:
+        return 1
+    return 0
+
+
+class CoordinatorState:
+    """All coordinator state; the HTTP shell holds one and a lock around it."""
+
+    def __init__(self, config: StateConfig = StateConfig(), *, now: float = 0.0, restored: bool = False):
+        self.config = config
+        self.epoch = secrets.token_hex(4)
+        self.boot_time = now
+        #: True when built from a store that had state: drains wait out old leases.
+        self.restored = restored
+        self.models: dict[str, ModelInfo] = {}
+        self.workers: dict[str, Worker] = {}
+        self.replicas: dict[str, Replica] = {}
+        self.leases: dict[str, Lease] = {}
+        self.groups: dict[tuple[str, str], tuple[int, float]] = {}
+        self._ids = itertools.count(1)
+        self._writes: list[Write] = []
+
+    # ----------------------------------------------------------------- durability
+    def take_writes(self) -> list[Write]:
+        """Durable changes since the last call, in order; the shell commits them."""
+        w, self._writes = self._writes, []
+        return w
+
+    def durable_rows(self) -> list[Write]:
+        """Every durable fact as writes (what a store would hold)."""
+        rows: list[Write] = []
+        for name, m in self.models.items():
+            rows.append(("model", (name,), m.counter))
+            for v, vi in m.versions.items():
+                rows.append(("version", (name, v), vi.created))
+                for lname, li in vi.layouts.items():
+                    rows.append(("layout", (name, v, lname), li.num_shards))
+                    for shard, man in li.manifests.items():
+                        rows.append(("manifest", (name, v, lname, shard), man))
+        return rows
+
+    @classmethod
+    def restore(cls, rows: Iterable[Write], config: StateConfig = StateConfig(), *, now: float) -> "CoordinatorState":
+        """Rebuild from durable rows (in any order of tables as produced by ``durable_rows``)."""
+        rows = list(rows)
+        st = cls(config, now=now, restored=bool(rows))
+        order = {"model": 0, "version": 1, "layout": 2, "manifest": 3}
+        for table, key, value in sorted(rows, key=lambda r: order[r[0]]):
+            if table == "model":
+                st.models[key[0]] = ModelInfo(counter=value)
+            elif table == "version":
+                st.models.setdefault(key[0], ModelInfo()).versions[key[1]] = VersionInfo(created=value)
+            elif table == "layout":
+                st.models[key[0]].versions[key[1]].layouts[key[2]] = LayoutInfo(num_shards=value)
+            elif table == "manifest":
+                st.models[key[0]].versions[key[1]].layouts[key[2]].manifests[key[3]] = value
+        return st
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}-{self.epoch}-{next(self._ids)}"
+
+    # ----------------------------------------------------------------- workers
+    def register_worker(self, now: float, worker_id: str, endpoint: str, locality: Locality) -> None:
+        """A client (any process) announces itself; re-registering with a new endpoint
+        drops the replicas of the old one (its memory is gone)."""
+        old = self.workers.get(worker_id)
+        if old is not None and old.endpoint != endpoint:
+            self._drop_worker_replicas(worker_id)
+        self.workers[worker_id] = Worker(worker_id, endpoint, locality, now, now if old is None else old.registered_at)
+
+    def heartbeat(self, now: float, worker_id: str) -> None:
+        w = self.workers.get(worker_id)
+        if w is None:
+            raise NotFoundError(404, f"unknown worker {worker_id!r}; register again", "unknown_worker")
+        w.last_seen = now
+
+    def remove_worker(self, now: float, worker_id: str) -> int:
+        """A client closes: its replicas and leases go. Returns how many replicas went."""
+        if worker_id not in self.workers:
+            raise NotFoundError(404, f"unknown worker {worker_id!r}", "unknown_worker")
+        del self.workers[worker_id]
+        for lid in [lid for lid, l in self.leases.items() if l.worker_id == worker_id]:
+            del self.leases[lid]
+        return self._drop_worker_replicas(worker_id)
+
+    def _drop_worker_replicas(self, worker_id: str) -> int:
+        gone = [rid for rid, r in self.replicas.items() if r.worker_id == worker_id]
+        for rid in gone:
+            del self.replicas[rid]
+        return len(gone)
+
+    def _worker(self, worker_id: str) -> Worker:
+        w = self.workers.get(worker_id)
+        if w is None:
+            raise NotFoundError(404, f"unknown worker {worker_id!r}; register again", "unknown_worker")
+        return w
+
+    def expire(self, now: float) -> list[str]:
+        """Drop dead workers (and their replicas), forget long-lapsed leases and old groups.
+        Returns the ids of the workers dropped."""
+        dead = [wid for wid, w in self.workers.items() if now - w.last_seen > self.config.worker_ttl]
+        for wid in dead:
+            self.remove_worker(now, wid)
+        for lid in [lid for lid, l in self.leases.items() if now > l.expires + self.config.lease_ttl]:
+            del self.leases[lid]
+        for key in [k for k, (_, exp) in self.groups.items() if now > exp]:
+            del self.groups[key]
+        return dead
+
+    # ----------------------------------------------------------------- versions
+    def _model(self, model: str) -> ModelInfo:
+        m = self.models.get(model)
+        if m is None:
+            raise NotFoundError(404, f"unknown model {model!r}", "unknown_model")
+        return m
+
+    def _version(self, model: str, version: int) -> VersionInfo:
+        m = self._model(model)
+        vi = m.versions.get(version)
+        if vi is None:
+            raise NotFoundError(
+                404, f"model {model!r} has no version {version} (newest allocated: {m.counter})", "unknown_version"
+            )
+        return vi
+
+    def allocate_version(self, now: float, model: str, version: Optional[int] = None) -> int:
+        """A publisher asks for a new version (``None``) or claims an explicit one.
+
+        An explicit version above the counter raises the counter to it; one at or below it
+        must already exist (versions are never reused)."""
+        m = self.models.get(model)
+        if m is None:
+            m = self.models[model] = ModelInfo()
+        if version is None:
+            version = m.counter + 1
+        elif version <= m.counter:
+            if version in m.versions:
+                return version
+            raise ConflictError(
+                409,
+                f"version {version} of {model!r} was skipped or retired (counter is {m.counter}); "
+                "versions are never reused",
+                "version_reused",
+            )
+        m.counter = version
+        m.versions[version] = VersionInfo(created=now)
+        self._writes.append(("model", (model,), m.counter))
+        self._writes.append(("version", (model, version), now))
+        return version
+
+    def latest(self, model: str, newer_than: Optional[int] = None) -> Optional[int]:
+        """Newest complete version (or None); ``newer_than`` only filters."""
+        m = self._model(model)
+        best = None
+        for v, vi in m.versions.items():
+            if vi.complete and (best is None or v > best):
+                best = v
+        if best is not None and newer_than is not None and best <= newer_than:
+            return None
+        return best
+
+    def resolve(self, now: float, model: str, group: Optional[str], newer_than: Optional[int] = None) -> int:
+        """Pick the version a reader (or every rank of ``group``) fetches."""
+        if group is not None:
+            hit = self.groups.get((model, group))
+            if hit is not None and now <= hit[1]:
+                return hit[0]
+        v = self.latest(model, newer_than)
+        if v is None:
+            what = f"newer than {newer_than}" if newer_than is not None else "yet"
+            raise NotFoundError(404, f"model {model!r} has no complete version {what}", "no_complete_version")
+        if group is not None:
+            self.groups[(model, group)] = (v, now + self.config.group_ttl)
+        return v
+
+    # ----------------------------------------------------------------- replicas
+    def register_replica(self, now: float, req: RegisterReplica) -> tuple[str, bool]:
+        """A holder announces it holds a complete shard. Returns (replica_id, version complete)."""
+        self._worker(req.worker_id)
+        vi = self._version(req.model, req.version)
+        li = vi.layouts.get(req.layout)
+        if li is None:
+            li = vi.layouts[req.layout] = LayoutInfo(num_shards=req.num_shards)
+            self._writes.append(("layout", (req.model, req.version, req.layout), req.num_shards))
+        elif li.num_shards != req.num_shards:
+            raise ManifestMismatchError(
+                409,
+                f"{req.model!r} v{req.version} layout {req.layout!r}: num_shards {req.num_shards} "
+                f"!= registered {li.num_shards}",
+                "manifest_mismatch",
+            )
+        known = li.manifests.get(req.shard)
+        if known is None:
+            li.manifests[req.shard] = req.manifest
+            self._writes.append(("manifest", (req.model, req.version, req.layout, req.shard), req.manifest))
+        else:
+            diff = first_difference(known, req.manifest)
+            if diff is not None:
+                raise ManifestMismatchError(
+                    409,
+                    f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}: {diff}",
+                    "manifest_mismatch",
+                )
+        for r in self.replicas.values():  # idempotent re-registration
+            if (r.worker_id, r.model, r.version, r.layout, r.shard) == (
+                req.worker_id, req.model, req.version, req.layout, req.shard
+            ) and not r.draining:
+                r.addresses = list(req.addresses)
+                return r.replica_id, li.complete
+        rid = self._new_id("r")
+        self.replicas[rid] = Replica(
+            rid, req.worker_id, req.model, req.version, req.layout, req.shard, list(req.addresses), now
+        )
+        return rid, li.complete
+
+    def _open_leases(self, now: float, rids: set[str]) -> int:
+        return sum(1 for l in self.leases.values() if l.expires >= now and rids.intersection(l.replica_ids))
+
+    def _available(self, model: str, version: int, without: set[str]) -> bool:
+        """Does some complete layout of the version have a serving replica for every shard?"""
+        vi = self.models[model].versions[version]
+        for lname, li in vi.layouts.items():
+            if not li.complete:
+                continue
+            have = {
+                r.shard
+                for r in self.replicas.values()
+                if r.model == model and r.version == version and r.layout == lname
+                and not r.draining and r.replica_id not in without
+            }
+            if len(have) == li.num_shards:
+                return True
+        return False
+
+    def unpublish(self, now: float, worker_id: str, model: str, version: int) -> tuple[bool, int]:
+        """A holder stops serving (model, version). Returns (drained, open leases).
+
+        The first call marks the worker's replicas as draining (no new leases); each call
+        removes them once no unexpired lease names them. Refused (RetentionError) when it
+        would leave the model's newest complete version without a replica."""
+        self._worker(worker_id)
+        self._version(model, version)
+        mine = {
+            rid for rid, r in self.replicas.items()
+            if r.worker_id == worker_id and r.model == model and r.version == version
+        }
+        if not mine:
+            return True, 0
+        newly = {rid for rid in mine if not self.replicas[rid].draining}
+        if newly and self.latest(model) == version:
+            if self._available(model, version, set()) and not self._available(model, version, mine):
+                raise RetentionError(
+                    409,
+                    f"{worker_id!r} holds the last replica of {model!r} v{version}, the newest complete "
+                    "version; it stays until another holder has it",
+                    "retention",
+                )
+        for rid in newly:
+            self.replicas[rid].draining = True
+        open_ = self._open_leases(now, mine)
+        if self.restored and now < self.boot_time + self.config.lease_ttl:
+            return False, max(open_, 1)  # leases granted before the restart may still run
+        if open_:
+            return False, open_
+        for rid in mine:
+            del self.replicas[rid]
+        return True, 0
+
+    def report(self, now: float, replica_id: str, reporter: str, reason: str) -> None:
+        """A reader saw ``replica_id`` fail: give it no new leases for ``suspect_ttl``."""
+        self._worker(reporter)
+        r = self.replicas.get(replica_id)
+        if r is None:
+            return  # already gone
+        r.suspect_until = now + self.config.suspect_ttl
+
+    # ----------------------------------------------------------------- leases
+    def acquire_lease(self, now: float, req: AcquireLease) -> LeaseGrant:
+        """A reader asks to read (model, version, layout, shard)."""
+        reader = self._worker(req.worker_id)
+        vi = self._version(req.model, req.version)
+        li = vi.layouts.get(req.layout)
+        if li is None or req.shard not in li.manifests:
+            raise NotFoundError(
+                404,
+                f"{req.model!r} v{req.version} has no layout {req.layout!r} shard {req.shard} "
+                f"(layouts: {sorted(vi.layouts) or 'none'})",
+                "unknown_layout",
+            )
+        excluded = set(req.exclude)
+        cands = []
+        for r in self.replicas.values():
+            if (r.model, r.version, r.layout, r.shard) != (req.model, req.version, req.layout, req.shard):
+                continue
+            if r.draining or r.suspect_until > now or r.replica_id in excluded or r.worker_id == req.worker_id:
+                continue
+            w = self.workers.get(r.worker_id)
+            if w is None:
+                continue
+            load = sum(1 for l in self.leases.values() if l.expires >= now and r.replica_id in l.replica_ids)
+            cands.append((locality_cost(reader.locality, w.locality), load, r.registered_at, r, w))
+        if not cands:
+            raise ConflictError(
+                409,
+                f"no replica of {req.model!r} v{req.version} layout {req.layout!r} shard {req.shard} "
+                "is serving now",
+                "no_replica",
+            )
+        cands.sort(key=lambda c: (c[0], c[1], c[2]))
+        best = cands[0][0]
+        chosen = [c for c in cands if c[0] == best][: req.max_sources]
+        lid = self._new_id("l")
+        lease = Lease(
+            lid, req.worker_id, req.model, req.version, req.layout, req.shard,
+            tuple(c[3].replica_id for c in chosen), now, now + self.config.lease_ttl,
+        )
+        self.leases[lid] = lease
+        for c in chosen:
+            c[3].served += 1
+        return LeaseGrant(
+            lease_id=lid,
+            model=req.model,
+            version=req.version,
+            layout=req.layout,
+            shard=req.shard,
+            num_shards=li.num_shards,
+            manifest=li.manifests[req.shard],
+            replicas=[
+                ReplicaInfo(
+                    replica_id=r.replica_id, worker_id=w.worker_id, endpoint=w.endpoint,
+                    locality=w.locality, addresses=r.addresses, cost=cost,
+                )
+                for cost, _, _, r, w in chosen
+            ],
+            ttl=self.config.lease_ttl,
+        )
+
+    def _lease_from_earlier_epoch(self, lease_id: str) -> bool:
+        parts = lease_id.split("-")
+        return len(parts) == 3 and parts[0] == "l" and parts[1] != self.epoch
+
+    def renew_lease(self, now: float, lease_id: str) -> float:
+        """Extend a still-valid lease by ``lease_ttl``; a lapsed one cannot be renewed."""
+        l = self.leases.get(lease_id)
+        if l is None or l.expires < now:
+            raise ConflictError(409, f"lease {lease_id} has lapsed; read again", "lease_lapsed")
+        l.expires = now + self.config.lease_ttl
+        return self.config.lease_ttl
+
+    def release_lease(self, now: float, lease_id: str) -> bool:
+        """A reader finished: True if the lease was valid up to now (its bytes are good)."""
+        l = self.leases.pop(lease_id, None)
+        if l is None:
+            # Granted by an earlier incarnation: its holders cannot have finished draining
+            # before boot + lease_ttl, so it is still good until then.
+            return (
+                self.restored
+                and self._lease_from_earlier_epoch(lease_id)
+                and now <= self.boot_time + self.config.lease_ttl
+            )
+        return now <= l.expires
+
+    # ----------------------------------------------------------------- views
+    def status(self, now: float) -> dict:
+        """Everything ``tensorhub status`` shows."""
+        models = []
+        for name, m in sorted(self.models.items()):
+            versions = []
+            for v, vi in sorted(m.versions.items()):
+                reps = [r for r in self.replicas.values() if r.model == name and r.version == v]
+                versions.append({
+                    "version": v,
+                    "complete": vi.complete,
+                    "layouts": {
+                        lname: {"num_shards": li.num_shards, "complete": li.complete,
+                                "nbytes": sum(mf.nbytes for mf in li.manifests.values())}
+                        for lname, li in vi.layouts.items()
+                    },
+                    "replicas": [
+                        {
+                            "replica_id": r.replica_id, "worker_id": r.worker_id, "layout": r.layout,
+                            "shard": r.shard, "draining": r.draining,
+                            "suspect": r.suspect_until > now,
+                            "endpoint": self.workers[r.worker_id].endpoint,
+                            "locality": self.workers[r.worker_id].locality.model_dump(),
+                            "open_leases": self._open_leases(now, {r.replica_id}),
+                            "served": r.served,
+                        }
+                        for r in sorted(reps, key=lambda r: r.registered_at)
+                    ],
+                })
+            models.append({"model": name, "counter": m.counter, "latest": self.latest(name), "versions": versions})
+        return {
+            "epoch": self.epoch,
+            "models": models,
+            "workers": [
+                {"worker_id": w.worker_id, "endpoint": w.endpoint, "locality": w.locality.model_dump(),
+                 "last_seen_ago": round(now - w.last_seen, 3)}
+                for w in self.workers.values()
+            ],
+            "leases": [
+                {"lease_id": l.lease_id, "worker_id": l.worker_id, "model": l.model, "version": l.version,
+                 "layout": l.layout, "shard": l.shard, "replicas": list(l.replica_ids),
+                 "expires_in": round(l.expires - now, 3)}
+                for l in self.leases.values() if l.expires >= now
+            ],
+        }
+

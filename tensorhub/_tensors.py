@@ -1,0 +1,119 @@
+"""Tensors <-> manifests: specs, address ranges, destination buffers, ``into`` checks.
+
+torch is imported inside functions, so ``import tensorhub`` works without it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ._exceptions import ConfigError, TensorMismatchError
+from ._wire import DTYPE_SIZES, Manifest, TensorSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["dtype_name", "manifest_of", "coalesce", "allocate_like", "check_into"]
+
+#: Offsets of tensors inside a buffer TensorHub allocates are aligned to this.
+ALIGN = 64
+
+
+def dtype_name(dtype: "torch.dtype") -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise ConfigError(f"dtype {dtype} is not supported; supported: {', '.join(sorted(DTYPE_SIZES))}")
+    return name
+
+
+def _torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return getattr(torch, name)
+
+
+def manifest_of(tensors: Mapping[str, Any]) -> tuple[Manifest, list[int]]:
+    """The manifest of ``tensors`` (in their order) and each tensor's address.
+
+    Refuses non-tensors, non-contiguous tensors and unsupported dtypes, naming the tensor."""
+    import torch
+
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise ConfigError("tensors must be a non-empty mapping of name -> torch.Tensor")
+    specs, addrs = [], []
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"tensor names must be str, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if not t.is_contiguous():
+            raise ConfigError(f"tensor {name!r} is not contiguous; publish t.contiguous() instead")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"tensor {name!r} is on {t.device}; only cpu and cuda memory can be served")
+        specs.append(TensorSpec(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
+                                nbytes=t.numel() * t.element_size()))
+        addrs.append(t.data_ptr())
+    try:
+        return Manifest(tensors=specs), addrs
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge overlapping or touching ``(addr, nbytes)`` ranges into few regions."""
+    out: list[list[int]] = []
+    for addr, n in sorted(r for r in ranges if r[1] > 0):
+        if out and addr <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], addr + n - out[-1][0])
+        else:
+            out.append([addr, n])
+    return [(a, n) for a, n in out]
+
+
+def allocate_like(manifest: Manifest, device: str = "cpu") -> tuple[Any, dict[str, Any]]:
+    """One flat buffer for the whole manifest and a view per tensor into it."""
+    import torch
+
+    offsets, total = [], 0
+    for spec in manifest.tensors:
+        total = -(-total // ALIGN) * ALIGN
+        offsets.append(total)
+        total += spec.nbytes
+    buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    out: dict[str, Any] = {}
+    for spec, off in zip(manifest.tensors, offsets):
+        dt = _torch_dtype(spec.dtype)
+        if spec.nbytes == 0:
+            out[spec.name] = torch.empty(spec.shape, dtype=dt, device=device)
+        else:
+            out[spec.name] = buf[off:off + spec.nbytes].view(dt).view(spec.shape)
+    return buf, out
+
+
+def check_into(manifest: Manifest, into: Mapping[str, Any]) -> list[int]:
+    """Addresses of ``into``'s tensors in manifest order; the error names the first misfit."""
+    import torch
+
+    if not isinstance(into, Mapping):
+        raise TensorMismatchError(f"into must be a mapping of name -> torch.Tensor, got {type(into).__name__}")
+    addrs = []
+    for spec in manifest.tensors:
+        t = into.get(spec.name)
+        if t is None:
+            raise TensorMismatchError(f"into has no tensor {spec.name!r} (the version has {len(manifest.tensors)})")
+        if not isinstance(t, torch.Tensor):
+            raise TensorMismatchError(f"into[{spec.name!r}] is a {type(t).__name__}, not a torch.Tensor")
+        got = str(t.dtype).removeprefix("torch.")
+        if got != spec.dtype:
+            raise TensorMismatchError(f"into[{spec.name!r}] has dtype {got}, the version has {spec.dtype}")
+        if tuple(t.shape) != spec.shape:
+            raise TensorMismatchError(
+                f"into[{spec.name!r}] has shape {list(t.shape)}, the version has {list(spec.shape)}"
+            )
+        if not t.is_contiguous():
+            raise TensorMismatchError(f"into[{spec.name!r}] is not contiguous")
+        addrs.append(t.data_ptr())
+    extra = [n for n in into if n not in {s.name for s in manifest.tensors}]
+    if extra:
+        raise TensorMismatchError(f"into has tensor {extra[0]!r}, which the version does not have")
+    return addrs

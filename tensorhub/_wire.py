@@ -1,0 +1,223 @@
+"""Everything that crosses the coordinator's HTTP API, as validated pydantic models.
+
+Nothing on the wire is pickled: requests and answers are JSON, checked here. The limits
+below bound every request; they are documented in the README ("Limits").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+API_VERSION = "v1"
+
+#: Largest request body the coordinator accepts (bytes).
+MAX_BODY_BYTES = 64 << 20
+#: Most tensors in one manifest.
+MAX_TENSORS = 200_000
+#: Longest tensor / model / layout name.
+MAX_NAME_LEN = 512
+#: Most dimensions of one tensor.
+MAX_DIMS = 16
+#: Largest single tensor (bytes) and largest shard (bytes): 1 PiB, far above any model.
+MAX_TENSOR_BYTES = 1 << 50
+#: Most shards per layout.
+MAX_SHARDS = 65_536
+#: Largest version number.
+MAX_VERSION = (1 << 53) - 1
+
+#: dtype name -> bytes per element. Names follow torch (``torch.float32`` -> ``float32``).
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+_NAME_RE = re.compile(r"^[^\x00-\x1f\x7f]+$")
+_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,256}$")
+
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN, pattern=r"^[^\x00-\x1f\x7f]+$")]
+Ident = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+#: Model names travel in URL paths: no slash, no spaces.
+ModelName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@+=-]+$")]
+Version = Annotated[int, Field(ge=1, le=MAX_VERSION)]
+Shard = Annotated[int, Field(ge=0, lt=MAX_SHARDS)]
+Address = Annotated[int, Field(ge=0, lt=1 << 64)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorSpec(_Model):
+    """One tensor of a manifest: its name, dtype, shape and size in bytes."""
+
+    name: Name
+    dtype: str
+    shape: tuple[Annotated[int, Field(ge=0, le=MAX_TENSOR_BYTES)], ...] = Field(max_length=MAX_DIMS)
+    nbytes: Annotated[int, Field(ge=0, le=MAX_TENSOR_BYTES)]
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in DTYPE_SIZES:
+            raise ValueError(f"unknown dtype {v!r}; known: {', '.join(sorted(DTYPE_SIZES))}")
+        return v
+
+    @model_validator(mode="after")
+    def _size_matches(self) -> "TensorSpec":
+        numel = math.prod(self.shape)
+        expect = numel * DTYPE_SIZES[self.dtype]
+        if expect > MAX_TENSOR_BYTES:
+            raise ValueError(f"tensor {self.name!r} of shape {list(self.shape)} is too large")
+        if expect != self.nbytes:
+            raise ValueError(
+                f"tensor {self.name!r}: nbytes {self.nbytes} != {numel} elements x "
+                f"{DTYPE_SIZES[self.dtype]} bytes ({self.dtype})"
+            )
+        return self
+
+
+class Manifest(_Model):
+    """The ordered tensors of one (model, version, layout, shard)."""
+
+    tensors: list[TensorSpec] = Field(max_length=MAX_TENSORS)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "Manifest":
+        seen: set[str] = set()
+        for t in self.tensors:
+            if t.name in seen:
+                raise ValueError(f"duplicate tensor name {t.name!r}")
+            seen.add(t.name)
+        if sum(t.nbytes for t in self.tensors) > MAX_TENSOR_BYTES:
+            raise ValueError("manifest is larger than 1 PiB")
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def first_difference(a: Manifest, b: Manifest) -> Optional[str]:
+    """Describe the first difference between two manifests, or None if they are equal."""
+    if len(a.tensors) != len(b.tensors):
+        return f"tensor count {len(b.tensors)} != registered {len(a.tensors)}"
+    for i, (x, y) in enumerate(zip(a.tensors, b.tensors)):
+        for field in ("name", "dtype", "shape", "nbytes"):
+            xv, yv = getattr(x, field), getattr(y, field)
+            if xv != yv:
+                return f"tensor #{i} {x.name!r}: {field} {_fmt(yv)} != registered {_fmt(xv)}"
+    return None
+
+
+def _fmt(v: object) -> str:
+    return str(list(v)) if isinstance(v, tuple) else repr(v)
+
+
+class Locality(_Model):
+    datacenter: Annotated[str, Field(max_length=128)] = ""
+    zone: Annotated[str, Field(max_length=128)] = ""
+    host: Annotated[str, Field(max_length=256)] = ""
+
+
+# ---------------------------------------------------------------- requests
+class RegisterWorker(_Model):
+    worker_id: Ident
+    endpoint: Annotated[str, Field(max_length=512)]
+    locality: Locality = Locality()
+
+
+class AllocateVersion(_Model):
+    version: Optional[Version] = None
+
+
+class Resolve(_Model):
+    group: Optional[Ident] = None
+    newer_than: Optional[Annotated[int, Field(ge=0, le=MAX_VERSION)]] = None
+
+
+class RegisterReplica(_Model):
+    worker_id: Ident
+    model: ModelName
+    version: Version
+    layout: Name = "hf"
+    shard: Shard = 0
+    num_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] = 1
+    manifest: Manifest
+    addresses: list[Address] = Field(max_length=MAX_TENSORS)
+
+    @model_validator(mode="after")
+    def _shape(self) -> "RegisterReplica":
+        if self.shard >= self.num_shards:
+            raise ValueError(f"shard {self.shard} >= num_shards {self.num_shards}")
+        if len(self.addresses) != len(self.manifest.tensors):
+            raise ValueError(
+                f"{len(self.addresses)} addresses for {len(self.manifest.tensors)} tensors"
+            )
+        return self
+
+
+class Unpublish(_Model):
+    worker_id: Ident
+
+
+class AcquireLease(_Model):
+    worker_id: Ident
+    model: ModelName
+    version: Version
+    layout: Name = "hf"
+    shard: Shard = 0
+    max_sources: Annotated[int, Field(ge=1, le=64)] = 4
+    exclude: list[Ident] = Field(default_factory=list, max_length=1024)
+
+
+class Report(_Model):
+    worker_id: Ident
+    reason: Annotated[str, Field(max_length=1024)] = ""
+
+
+# ---------------------------------------------------------------- answers
+class ReplicaInfo(_Model):
+    replica_id: str
+    worker_id: str
+    endpoint: str
+    locality: Locality
+    addresses: list[int]
+    cost: int = 0
+
+
+class LeaseGrant(_Model):
+    lease_id: str
+    model: str
+    version: int
+    layout: str
+    shard: int
+    num_shards: int
+    manifest: Manifest
+    replicas: list[ReplicaInfo]
+    ttl: float
+
+
+class Error(_Model):
+    code: str
+    detail: str

@@ -1,0 +1,145 @@
+"""``tensorhub`` command line: ``coordinator`` runs the service, ``status`` shows its state."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from . import envs
+from ._exceptions import ConfigError, TensorHubError
+
+__all__ = ["main", "format_status"]
+
+
+def _read_token(path: Optional[str]) -> Optional[str]:
+    if path is None:
+        return None
+    text = Path(path).read_text().strip()
+    if not text:
+        raise ConfigError(f"token file {path} is empty")
+    return text
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from ._state import StateConfig
+    from .coordinator import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = StateConfig(lease_ttl=args.lease_ttl, worker_ttl=args.worker_ttl)
+
+    def ready(url: str) -> None:
+        print(f"tensorhub coordinator serving on {url}", flush=True)
+
+    serve(args.host, args.port, args.state_dir, token=_read_token(args.token_file), config=config,
+          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, on_ready=ready)
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)  # pragma: no cover
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def format_status(st: dict) -> str:
+    """A readable table of models, versions, replicas and open leases."""
+    out = [f"coordinator epoch {st['epoch']}, {len(st['workers'])} worker(s)"]
+    if not st["models"]:
+        out.append("no models yet")
+    for m in st["models"]:
+        out.append("")
+        out.append(f"model {m['model']}: latest complete version {m['latest']}, counter {m['counter']}")
+        rows = [["VERSION", "COMPLETE", "LAYOUT", "SHARDS", "SIZE", "REPLICA", "WORKER", "HOST",
+                 "DC/ZONE", "ENDPOINT", "STATE", "LEASES", "SERVED"]]
+        for v in m["versions"]:
+            lay = v["layouts"]
+            size = sum(li["nbytes"] for li in lay.values())
+            first = [str(v["version"]), "yes" if v["complete"] else "no",
+                     ",".join(lay) or "-", ",".join(str(li["num_shards"]) for li in lay.values()) or "-",
+                     _size(size)]
+            if not v["replicas"]:
+                rows.append(first + ["-"] * 8)
+            for i, r in enumerate(v["replicas"]):
+                loc = r["locality"]
+                state = "draining" if r["draining"] else ("suspect" if r["suspect"] else "serving")
+                rows.append((first if i == 0 else [""] * 5) + [
+                    f"{r['replica_id']} ({r['layout']}#{r['shard']})", r["worker_id"], loc["host"],
+                    f"{loc['datacenter']}/{loc['zone']}", r["endpoint"], state, str(r["open_leases"]),
+                    str(r.get("served", 0)),
+                ])
+        out.extend(_table(rows))
+    if st["leases"]:
+        out.append("")
+        rows = [["LEASE", "READER", "MODEL", "VERSION", "LAYOUT#SHARD", "SOURCES", "EXPIRES IN"]]
+        for l in st["leases"]:
+            rows.append([l["lease_id"], l["worker_id"], l["model"], str(l["version"]),
+                         f"{l['layout']}#{l['shard']}", ",".join(l["replicas"]), f"{l['expires_in']:.1f}s"])
+        out.extend(_table(rows))
+    return "\n".join(out)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ._client import CoordinatorClient
+
+    url = envs.pick(args.coordinator, "TENSORHUB_COORDINATOR")
+    if not url:
+        raise ConfigError("no coordinator URL: pass --coordinator or set TENSORHUB_COORDINATOR")
+    token = _read_token(args.token_file) if args.token_file else envs.TENSORHUB_TOKEN
+    api = CoordinatorClient(url, token, retry_timeout=5.0)
+    try:
+        st = api.get("/v1/status")
+    finally:
+        api.close()
+    print(json.dumps(st, indent=2) if args.json else format_status(st))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tensorhub", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("coordinator", help="run the coordinator service")
+    c.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    c.add_argument("--port", type=int, default=0, help="port (0 picks a free one; the URL is printed)")
+    c.add_argument("--state-dir", required=True, help="directory of the durable SQLite state")
+    c.add_argument("--token-file", help="file holding the API token; every endpoint but /healthz needs it")
+    c.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a read lease lasts unrenewed")
+    c.add_argument("--worker-ttl", type=float, default=10.0,
+                   help="seconds without heartbeat after which a worker's replicas are dropped")
+    c.add_argument("--ssl-certfile", help="serve HTTPS with this certificate")
+    c.add_argument("--ssl-keyfile", help="private key for --ssl-certfile")
+    c.add_argument("--log-level", default="info")
+    c.set_defaults(fn=_coordinator)
+
+    s = sub.add_parser("status", help="show models, versions, replicas and leases")
+    s.add_argument("--coordinator", help="coordinator URL (default: $TENSORHUB_COORDINATOR)")
+    s.add_argument("--token-file", help="file holding the API token (default: $TENSORHUB_TOKEN)")
+    s.add_argument("--json", action="store_true", help="print the raw JSON")
+    s.set_defaults(fn=_status)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except TensorHubError as e:
+        print(f"tensorhub: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

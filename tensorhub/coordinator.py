@@ -1,0 +1,355 @@
+"""The coordinator service: a thin HTTP shell around :class:`CoordinatorState`.
+
+Run it as ``tensorhub coordinator --host 127.0.0.1 --port 0 --state-dir DIR``, or embed it
+in a process with :class:`EmbeddedCoordinator` (the demo does). Every request takes one
+lock, asks the state machine, commits the durable writes to SQLite, then answers.
+Its clock is ``time.time()``. The API is versioned under ``/v1``; ``/openapi.json``
+describes it. With a token configured every endpoint but ``/healthz`` needs
+``Authorization: Bearer <token>`` (compared in constant time, never logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from fastapi import Body, FastAPI, Path as PathParam, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from ._exceptions import CoordinatorError
+from ._state import CoordinatorState, StateConfig
+from ._store import SqliteStore
+from ._wire import (
+    MAX_BODY_BYTES,
+    MAX_VERSION,
+    AcquireLease,
+    AllocateVersion,
+    LeaseGrant,
+    RegisterReplica,
+    RegisterWorker,
+    Report,
+    Resolve,
+    Unpublish,
+)
+
+__all__ = ["Coordinator", "EmbeddedCoordinator", "create_app", "serve"]
+
+logger = logging.getLogger(__name__)
+
+# FastAPI binds a Path() object to the first parameter that uses it: make one per use.
+def _model() -> Any:
+    return PathParam(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@+=-]+$")
+
+
+def _id() -> Any:
+    return PathParam(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@/+=-]+$")
+
+
+def _version() -> Any:
+    return PathParam(ge=1, le=MAX_VERSION)
+
+
+class Coordinator:
+    """State machine + durable store + lock + clock: what the HTTP routes call."""
+
+    def __init__(self, state_dir: str | os.PathLike, config: StateConfig = StateConfig(),
+                 clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.config = config
+        self.store = SqliteStore(state_dir)
+        self.store.open()
+        self.lock = threading.Lock()
+        self.state = CoordinatorState.restore(self.store.load(), config, now=clock())
+        logger.info(
+            "coordinator epoch %s on %s (%d models restored)",
+            self.state.epoch, self.store.path, len(self.state.models),
+        )
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one state-machine method and commit its durable writes before returning."""
+        with self.lock:
+            try:
+                result = fn(self.clock(), *args)
+            finally:
+                writes = self.state.take_writes()
+                if writes:
+                    try:
+                        self.store.commit(writes)
+                    except Exception:
+                        # Memory ran ahead of disk: rebuild the durable part from disk.
+                        logger.exception("store commit failed; reloading durable state")
+                        self._reload()
+                        raise
+            return result
+
+    def read(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self.lock:
+            return fn(*args)
+
+    def _reload(self) -> None:
+        fresh = CoordinatorState.restore(self.store.load(), self.config, now=self.clock())
+        fresh.epoch, fresh.boot_time, fresh.restored = self.state.epoch, self.state.boot_time, self.state.restored
+        fresh.workers, fresh.replicas, fresh.leases = self.state.workers, self.state.replicas, self.state.leases
+        self.state = fresh
+
+    def expire(self) -> None:
+        with self.lock:
+            dead = self.state.expire(self.clock())
+        for wid in dead:
+            logger.warning("worker %s stopped heart-beating; its replicas were dropped", wid)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
+    """The FastAPI application serving ``coord``."""
+    app = FastAPI(
+        title="TensorHub coordinator",
+        version="1",
+        description="Which workers hold which version of which model; read leases; versions.",
+    )
+    expected = f"Bearer {token}".encode() if token else None
+
+    @app.middleware("http")
+    async def _auth_and_limits(request: Request, call_next):  # type: ignore[no-untyped-def]
+        if expected is not None and request.url.path != "/healthz":
+            got = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                return JSONResponse({"code": "unauthorized", "detail": "missing or wrong token"}, 401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+                return JSONResponse(
+                    {"code": "too_large", "detail": f"request body over {MAX_BODY_BYTES} bytes"}, 413
+                )
+        elif request.method in ("POST", "PUT", "PATCH") and request.headers.get("transfer-encoding"):
+            return JSONResponse({"code": "length_required", "detail": "send Content-Length"}, 411)
+        return await call_next(request)
+
+    @app.exception_handler(CoordinatorError)
+    async def _coordinator_error(request: Request, exc: CoordinatorError) -> JSONResponse:
+        return JSONResponse({"code": exc.code or "error", "detail": exc.message}, exc.status or 500)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        parts = []
+        for e in errs[:5]:
+            loc = ".".join(str(x) for x in e.get("loc", ()))
+            parts.append(f"{loc}: {e.get('msg', 'invalid')}")
+        more = f" (+{len(errs) - 5} more)" if len(errs) > 5 else ""
+        return JSONResponse({"code": "invalid_request", "detail": "; ".join(parts) + more}, 422)
+
+    st = lambda: coord.state  # noqa: E731 - the state object is replaced on reload
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": True, "epoch": coord.state.epoch}
+
+    @app.get("/v1/info")
+    def info() -> dict:
+        c = coord.config
+        return {"epoch": coord.state.epoch, "time": coord.clock(), "lease_ttl": c.lease_ttl,
+                "worker_ttl": c.worker_ttl, "suspect_ttl": c.suspect_ttl, "max_body_bytes": MAX_BODY_BYTES}
+
+    @app.post("/v1/workers")
+    def register_worker(req: RegisterWorker) -> dict:
+        coord.call(lambda now: st().register_worker(now, req.worker_id, req.endpoint, req.locality))
+        return {"epoch": coord.state.epoch, "worker_ttl": coord.config.worker_ttl,
+                "lease_ttl": coord.config.lease_ttl}
+
+    @app.post("/v1/workers/{worker_id}/heartbeat")
+    def heartbeat(worker_id: str = _id()) -> dict:
+        coord.call(lambda now: st().heartbeat(now, worker_id))
+        return {"epoch": coord.state.epoch}
+
+    @app.delete("/v1/workers/{worker_id}")
+    def remove_worker(worker_id: str = _id()) -> dict:
+        n = coord.call(lambda now: st().remove_worker(now, worker_id))
+        return {"replicas_dropped": n}
+
+    @app.get("/v1/models")
+    def models() -> list:
+        return coord.read(lambda: [
+            {"model": name, "counter": m.counter, "latest": st().latest(name)}
+            for name, m in sorted(st().models.items())
+        ])
+
+    @app.post("/v1/models/{model}/versions")
+    def allocate(model: str = _model(), req: AllocateVersion = Body(default=AllocateVersion())) -> dict:
+        return {"version": coord.call(lambda now: st().allocate_version(now, model, req.version))}
+
+    @app.get("/v1/models/{model}/latest")
+    async def latest(
+        model: str = _model(),
+        newer_than: Optional[int] = Query(default=None, ge=0, le=MAX_VERSION),
+        wait: float = Query(default=0.0, ge=0.0, le=60.0),
+    ) -> dict:
+        """Newest complete version (``null`` if none). With ``wait``, hold the request up
+        to that many seconds until a version newer than ``newer_than`` is complete."""
+        deadline = time.monotonic() + wait
+        while True:
+            v = coord.read(lambda: st().latest(model, newer_than))
+            if v is not None or time.monotonic() >= deadline:
+                return {"version": v}
+            await asyncio.sleep(0.05)
+
+    @app.post("/v1/models/{model}/resolve")
+    def resolve(model: str = _model(), req: Resolve = Body(default=Resolve())) -> dict:
+        return {"version": coord.call(lambda now: st().resolve(now, model, req.group, req.newer_than))}
+
+    @app.post("/v1/replicas")
+    def register_replica(req: RegisterReplica) -> dict:
+        rid, complete = coord.call(lambda now: st().register_replica(now, req))
+        return {"replica_id": rid, "complete": complete}
+
+    @app.post("/v1/models/{model}/versions/{version}/unpublish")
+    def unpublish(req: Unpublish, model: str = _model(), version: int = _version()) -> dict:
+        drained, open_ = coord.call(lambda now: st().unpublish(now, req.worker_id, model, version))
+        return {"drained": drained, "open_leases": open_}
+
+    @app.post("/v1/replicas/{replica_id}/report")
+    def report(req: Report, replica_id: str = _id()) -> dict:
+        coord.call(lambda now: st().report(now, replica_id, req.worker_id, req.reason))
+        logger.warning("replica %s reported failing by %s: %s", replica_id, req.worker_id, req.reason)
+        return {}
+
+    @app.post("/v1/leases", response_model=LeaseGrant)
+    def acquire(req: AcquireLease) -> LeaseGrant:
+        return coord.call(lambda now: st().acquire_lease(now, req))
+
+    @app.post("/v1/leases/{lease_id}/renew")
+    def renew(lease_id: str = _id()) -> dict:
+        return {"ttl": coord.call(lambda now: st().renew_lease(now, lease_id))}
+
+    @app.post("/v1/leases/{lease_id}/release")
+    def release(lease_id: str = _id()) -> dict:
+        return {"valid": coord.call(lambda now: st().release_lease(now, lease_id))}
+
+    @app.get("/v1/status")
+    def status() -> dict:
+        return coord.read(lambda: st().status(coord.clock()))
+
+    return app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _url(host: str, sock: socket.socket, tls: bool) -> str:
+    port = sock.getsockname()[1]
+    h = f"[{host}]" if ":" in host else host
+    return f"{'https' if tls else 'http'}://{h}:{port}"
+
+
+class _Server:
+    """uvicorn on a pre-bound socket, plus the expiry ticker."""
+
+    def __init__(self, coord: Coordinator, host: str, port: int, token: Optional[str],
+                 ssl_certfile: Optional[str] = None, ssl_keyfile: Optional[str] = None) -> None:
+        import uvicorn
+
+        self.coord = coord
+        self.sock = _bind(host, port)
+        self.url = _url(host, self.sock, ssl_certfile is not None)
+        cfg = uvicorn.Config(
+            create_app(coord, token), log_level="warning", access_log=False,
+            ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, timeout_keep_alive=30,
+        )
+        self.server = uvicorn.Server(cfg)
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="tensorhub-expiry", daemon=True)
+
+    def _tick(self) -> None:
+        period = min(1.0, self.coord.config.worker_ttl / 4)
+        while not self._stop.wait(period):
+            try:
+                self.coord.expire()
+            except Exception:  # pragma: no cover - keep serving
+                logger.exception("expiry tick failed")
+
+    def run(self) -> None:
+        self._ticker.start()
+        try:
+            self.server.run(sockets=[self.sock])
+        finally:
+            self._stop.set()
+
+
+def serve(host: str, port: int, state_dir: str | os.PathLike, *, token: Optional[str] = None,
+          config: StateConfig = StateConfig(), ssl_certfile: Optional[str] = None,
+          ssl_keyfile: Optional[str] = None, on_ready: Callable[[str], None] = print) -> None:
+    """Run the coordinator in the foreground until SIGINT/SIGTERM."""
+    coord = Coordinator(state_dir, config)
+    srv = _Server(coord, host, port, token, ssl_certfile, ssl_keyfile)
+    on_ready(srv.url)
+    try:
+        srv.run()
+    finally:
+        coord.close()
+
+
+class EmbeddedCoordinator:
+    """A coordinator on a background thread of this process (demos, tests, single-node jobs).
+
+    ``start()`` returns the URL; ``stop()`` shuts it down. Also a context manager.
+    """
+
+    def __init__(self, state_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 0,
+                 token: Optional[str] = None, config: StateConfig = StateConfig()) -> None:
+        self.state_dir = Path(state_dir)
+        self.host, self.port, self.token, self.config = host, port, token, config
+        self.url: Optional[str] = None
+        self._srv: Optional[_Server] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> str:
+        coord = Coordinator(self.state_dir, self.config)
+        self._srv = _Server(coord, self.host, self.port, self.token)
+        self._thread = threading.Thread(target=self._srv.run, name="tensorhub-coordinator", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._srv.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("embedded coordinator did not start")
+            time.sleep(0.01)
+        self.url = self._srv.url
+        return self.url
+
+    @property
+    def coordinator(self) -> Coordinator:
+        assert self._srv is not None, "start() first"
+        return self._srv.coord
+
+    def stop(self) -> None:
+        if self._srv is None:
+            return
+        self._srv.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._srv.coord.close()
+        self._srv = None
+
+    def __enter__(self) -> "EmbeddedCoordinator":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

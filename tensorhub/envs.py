@@ -1,0 +1,106 @@
+"""Every environment variable TensorHub reads, in one place, read lazily.
+
+Precedence, everywhere: an explicit argument > the environment variable > the default.
+An argument counts as given when it is not ``None`` (so ``0`` and ``""`` are honoured).
+
+Access a value as ``envs.TENSORHUB_TOKEN``; each access reads ``os.environ`` again, so
+tests and launchers may change the environment after import.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+__all__ = ["ENVIRONMENT_VARIABLES", "pick"]
+
+
+def _str(name: str, default: str | None) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name, default)
+
+
+def _float(name: str, default: float) -> Callable[[], float]:
+    def get() -> float:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            return float(raw)
+        except ValueError:
+            from ._exceptions import ConfigError
+
+            raise ConfigError(f"{name}={raw!r} is not a number") from None
+
+    return get
+
+
+def _int(name: str, default: int) -> Callable[[], int]:
+    f = _float(name, float(default))
+    return lambda: int(f())
+
+
+#: name -> (getter, documentation)
+ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
+    "TENSORHUB_COORDINATOR": (
+        _str("TENSORHUB_COORDINATOR", None),
+        "Coordinator URL used when none is passed (e.g. http://10.0.0.5:7777).",
+    ),
+    "TENSORHUB_TOKEN": (
+        _str("TENSORHUB_TOKEN", None),
+        "Shared API token sent as 'Authorization: Bearer <token>'. Never logged.",
+    ),
+    "TENSORHUB_WORKER_ID": (
+        _str("TENSORHUB_WORKER_ID", None),
+        "Worker id; default <hostname>-<pid>-<random>.",
+    ),
+    "TENSORHUB_LOCALITY": (
+        _str("TENSORHUB_LOCALITY", None),
+        "Locality labels 'dc=a,zone=z1,host=h3'; missing labels default from the hostname.",
+    ),
+    "TENSORHUB_TRANSPORT": (
+        _str("TENSORHUB_TRANSPORT", "mooncake"),
+        "Data-plane transport: 'mooncake' (default) or 'memory' (in-process test double).",
+    ),
+    "TENSORHUB_DATA_HOST": (
+        _str("TENSORHUB_DATA_HOST", None),
+        "Address the data plane binds and advertises. Default: 127.0.0.1 when the "
+        "coordinator is on loopback, else the local address of the route to it.",
+    ),
+    "TENSORHUB_MOONCAKE_PROTOCOL": (
+        _str("TENSORHUB_MOONCAKE_PROTOCOL", "tcp"),
+        "Mooncake protocol: 'tcp' or 'rdma'.",
+    ),
+    "TENSORHUB_MOONCAKE_DEVICES": (
+        _str("TENSORHUB_MOONCAKE_DEVICES", ""),
+        "Mooncake device filter (RDMA NIC names, comma separated); empty = auto.",
+    ),
+    "TENSORHUB_PROGRESS_TIMEOUT": (
+        _float("TENSORHUB_PROGRESS_TIMEOUT", 10.0),
+        "Seconds a read batch may make no progress before its source counts as hung.",
+    ),
+    "TENSORHUB_HEARTBEAT_INTERVAL": (
+        _float("TENSORHUB_HEARTBEAT_INTERVAL", 2.0),
+        "Seconds between a client's heartbeats.",
+    ),
+    "TENSORHUB_CHUNK_BYTES": (
+        _int("TENSORHUB_CHUNK_BYTES", 64 << 20),
+        "Bytes per read chunk (the unit of striping and of failover), at most 1 GiB.",
+    ),
+    "TENSORHUB_STRIPE": (
+        _int("TENSORHUB_STRIPE", 4),
+        "Most replicas one fetch reads from at once.",
+    ),
+}
+
+
+def pick(arg: Any, name: str) -> Any:
+    """Return ``arg`` if it is not None, else the environment variable ``name`` (or its default)."""
+    if arg is not None:
+        return arg
+    return ENVIRONMENT_VARIABLES[name][0]()
+
+
+def __getattr__(name: str) -> Any:
+    if name in ENVIRONMENT_VARIABLES:
+        return ENVIRONMENT_VARIABLES[name][0]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

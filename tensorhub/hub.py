@@ -1,0 +1,551 @@
+"""The Hub client: what a trainer or an engine process uses.
+
+``hub = tensorhub.connect(url)`` registers this process as a worker (no data plane yet;
+the transport starts on the first publish or fetch). A heartbeat thread keeps the
+worker's replicas alive; when the coordinator restarts (new epoch, or "unknown worker")
+it re-registers the worker and every replica it holds, by itself.
+
+Who calls what:
+
+* holder (trainer, engine): ``publish`` registers tensors in place; they must stay
+  untouched until ``unpublish`` returns (that is when no reader holds a lease on them).
+* reader (engine): ``latest`` / ``wait_for_version`` / ``fetch``; with ``serve=True`` a
+  fetched shard becomes one more replica (the reader is then a holder of it).
+* anyone: ``close()`` (or the context manager) drops every replica of this worker,
+  unregisters its memory and stops the heartbeat. Any call after it raises
+  :class:`HubClosedError`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+from urllib.parse import urlparse
+
+from . import envs
+from ._client import CoordinatorClient
+from ._exceptions import (
+    ConfigError,
+    FetchError,
+    HubClosedError,
+    HubTimeoutError,
+    LeaseLapsedError,
+    NotFoundError,
+    ConflictError,
+    RetentionError,
+    TensorHubError,
+)
+from ._reader import ShardReader, Source
+from ._tensors import allocate_like, check_into, coalesce, manifest_of
+from ._wire import LeaseGrant, Locality, Manifest
+from .transport import Transport, create_transport
+
+__all__ = ["Hub", "Fetched", "connect", "parse_locality"]
+
+logger = logging.getLogger(__name__)
+
+#: Batches in flight per source, and the smallest chunk worth striping.
+_DEPTH = 2
+_MIN_CHUNK = 4 << 20
+
+#: Destination buffers a hung transfer may still write into: never freed (see _reader).
+_QUARANTINE: list[Any] = []
+
+
+def parse_locality(text: Optional[str]) -> Locality:
+    """``"dc=a,zone=z1,host=h3"`` -> Locality; missing labels default from the hostname."""
+    labels = {"datacenter": "default", "zone": "default", "host": socket.gethostname()}
+    aliases = {"dc": "datacenter", "datacenter": "datacenter", "zone": "zone", "host": "host"}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in aliases:
+            raise ConfigError(f"bad locality label {part!r}; expected dc=..,zone=..,host=..")
+        labels[aliases[key.strip()]] = value.strip()
+    return Locality(**labels)
+
+
+def _data_host(coordinator_url: str) -> str:
+    """The address our data plane advertises: loopback if the coordinator is, else the
+    local address of the route towards it (no packet is sent)."""
+    host = urlparse(coordinator_url).hostname or "127.0.0.1"
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+            return "127.0.0.1"
+    except (OSError, ValueError):
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return s.getsockname()[0]
+
+
+class Fetched(dict):
+    """What ``fetch`` returns: ``name -> tensor``, plus where the bytes came from.
+
+    Attributes: ``version``, ``layout``, ``shard``, ``nbytes``, ``seconds``, ``gbps``
+    (GB/s), ``sources`` (worker id -> bytes read from it), ``failed_sources``.
+    """
+
+    version: int
+    layout: str
+    shard: int
+    nbytes: int
+    seconds: float
+    sources: dict[str, int]
+    failed_sources: list[str]
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass
+class _Held:
+    """A replica this process holds: what it needs to re-register after a restart."""
+
+    model: str
+    version: int
+    layout: str
+    shard: int
+    num_shards: int
+    manifest: Manifest
+    addresses: list[int]
+    regions: list[tuple[int, int]]
+    tensors: Any  # keeps the memory alive
+    replica_id: str = ""
+    extra: list[Any] = field(default_factory=list)
+
+
+class Hub:
+    """A connection to a coordinator; see the module docstring for the lifecycle."""
+
+    def __init__(self, url: Optional[str] = None, *, worker_id: Optional[str] = None,
+                 locality: Optional[Locality | str | Mapping[str, str]] = None, token: Optional[str] = None,
+                 transport: Optional[Transport] = None, heartbeat_interval: Optional[float] = None,
+                 progress_timeout: Optional[float] = None, chunk_bytes: Optional[int] = None,
+                 max_sources: Optional[int] = None, fetch_timeout: float = 600.0) -> None:
+        url = envs.pick(url, "TENSORHUB_COORDINATOR")
+        if not url:
+            raise ConfigError("no coordinator URL: pass one or set TENSORHUB_COORDINATOR")
+        self.url = url
+        self.worker_id = envs.pick(worker_id, "TENSORHUB_WORKER_ID") or \
+            f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        if isinstance(locality, Locality):
+            self.locality = locality
+        elif isinstance(locality, Mapping):
+            self.locality = parse_locality(",".join(f"{k}={v}" for k, v in locality.items()))
+        else:
+            self.locality = parse_locality(envs.pick(locality, "TENSORHUB_LOCALITY"))
+        self._token = envs.pick(token, "TENSORHUB_TOKEN")
+        self.heartbeat_interval = float(envs.pick(heartbeat_interval, "TENSORHUB_HEARTBEAT_INTERVAL"))
+        self.progress_timeout = float(envs.pick(progress_timeout, "TENSORHUB_PROGRESS_TIMEOUT"))
+        self.chunk_bytes = int(envs.pick(chunk_bytes, "TENSORHUB_CHUNK_BYTES"))
+        self.max_sources = int(envs.pick(max_sources, "TENSORHUB_STRIPE"))
+        self.fetch_timeout = fetch_timeout
+        self._transport = transport
+        self._transport_started = False
+        self._api: Optional[CoordinatorClient] = None
+        self._held: dict[tuple[str, int, str, int], _Held] = {}
+        self._lock = threading.RLock()
+        self._epoch: Optional[str] = None
+        self._lease_ttl = 30.0
+        self._closed = False
+        self._stop = threading.Event()
+        self._hb: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self) -> "Hub":
+        """Register with the coordinator and start heart-beating. Called by ``tensorhub.connect``."""
+        self._check_open()
+        self._api = CoordinatorClient(self.url, self._token)
+        self._register_worker()
+        self._hb = threading.Thread(target=self._heartbeat_loop, name=f"tensorhub-hb-{self.worker_id}", daemon=True)
+        self._hb.start()
+        weakref.finalize(self, self._stop.set)
+        return self
+
+    def close(self) -> None:
+        """Drop this worker's replicas, unregister its memory, stop heart-beating. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._hb is not None:
+            self._hb.join(timeout=5)
+        if self._api is not None:
+            try:
+                self._api.delete(f"/v1/workers/{self.worker_id}", retry_timeout=2.0)
+            except TensorHubError as e:
+                logger.debug("worker %s: deregistration failed: %s", self.worker_id, e)
+            self._api.close()
+        with self._lock:
+            self._held.clear()
+        if self._transport is not None and self._transport_started:
+            self._transport.close()
+
+    def __enter__(self) -> "Hub":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise HubClosedError(f"Hub {self.worker_id} is closed")
+
+    @property
+    def api(self) -> CoordinatorClient:
+        self._check_open()
+        if self._api is None:
+            raise HubClosedError("Hub is not connected; use tensorhub.connect(url)")
+        return self._api
+
+    @property
+    def endpoint(self) -> str:
+        """This worker's data-plane endpoint (starts the transport)."""
+        return self._ensure_transport().endpoint
+
+    def _ensure_transport(self) -> Transport:
+        with self._lock:
+            if self._transport is None:
+                host = envs.TENSORHUB_DATA_HOST or _data_host(self.url)
+                self._transport = create_transport(host=host, progress_timeout=self.progress_timeout)
+            if not self._transport_started:
+                self._transport.start()
+                self._transport_started = True
+                self._register_worker()
+            return self._transport
+
+    def _register_worker(self) -> None:
+        endpoint = self._transport.endpoint if self._transport_started else ""
+        r = self.api.post("/v1/workers", {"worker_id": self.worker_id, "endpoint": endpoint,
+                                          "locality": self.locality.model_dump()})
+        self._epoch = r["epoch"]
+        self._lease_ttl = float(r["lease_ttl"])
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval):
+            try:
+                r = self.api.post(f"/v1/workers/{self.worker_id}/heartbeat",
+                                  retry_timeout=self.heartbeat_interval)
+                if r.get("epoch") != self._epoch:
+                    logger.warning("coordinator restarted (epoch %s -> %s); re-registering", self._epoch, r["epoch"])
+                    self._reregister()
+            except NotFoundError:
+                logger.warning("coordinator forgot worker %s; re-registering its replicas", self.worker_id)
+                self._reregister()
+            except HubClosedError:
+                return
+            except TensorHubError as e:
+                logger.warning("heartbeat to %s failed: %s", self.url, e)
+            except Exception:  # pragma: no cover - never let the thread die
+                logger.exception("heartbeat failed")
+
+    def _reregister(self) -> None:
+        try:
+            with self._lock:
+                self._register_worker()
+                for h in list(self._held.values()):
+                    h.replica_id = self._register_replica(h)
+        except TensorHubError as e:
+            logger.warning("re-registration failed (will retry): %s", e)
+
+    def _register_replica(self, h: _Held) -> str:
+        self.api.post(f"/v1/models/{h.model}/versions", {"version": h.version})
+        r = self.api.post("/v1/replicas", {
+            "worker_id": self.worker_id, "model": h.model, "version": h.version, "layout": h.layout,
+            "shard": h.shard, "num_shards": h.num_shards,
+            "manifest": h.manifest.model_dump(mode="json"), "addresses": h.addresses,
+        })
+        return r["replica_id"]
+
+    # ------------------------------------------------------------------ holder
+    def publish(self, model: str, tensors: Mapping[str, Any], *, version: Optional[int] = None,
+                layout: str = "hf", shard: int = 0, num_shards: int = 1) -> int:
+        """Register ``tensors`` in place as ``model``'s version (new when ``version`` is None).
+
+        No copy: the tensors must stay unchanged until ``unpublish`` returns. With several
+        shards, one rank publishes with ``version=None`` and passes the number it got to the
+        others (``version=v``). The version is complete once every shard has a replica."""
+        manifest, addrs = manifest_of(tensors)
+        if not 0 <= shard < num_shards:
+            raise ConfigError(f"shard {shard} is not in [0, {num_shards})")
+        key_version = self.api.post(f"/v1/models/{model}/versions", {"version": version})["version"]
+        transport = self._ensure_transport()
+        regions = coalesce([(a, s.nbytes) for a, s in zip(addrs, manifest.tensors)])
+        h = _Held(model, key_version, layout, shard, num_shards, manifest, addrs, regions, dict(tensors))
+        self._register_regions(transport, regions)
+        try:
+            h.replica_id = self._register_replica(h)
+        except BaseException:
+            self._unregister_regions(transport, regions)
+            raise
+        with self._lock:
+            self._held[(model, key_version, layout, shard)] = h
+        logger.info("published %s v%d layout %s shard %d/%d: %d tensors, %.1f MB",
+                    model, key_version, layout, shard, num_shards, len(addrs), manifest.nbytes / 1e6)
+        return key_version
+
+    def unpublish(self, model: str, version: int, *, timeout: Optional[float] = None) -> None:
+        """Stop serving ``model`` v``version``; return once no reader holds a lease on it.
+
+        After it returns the caller may overwrite or free those tensors. If this worker holds
+        the last replica of the newest complete version, waits (up to ``timeout``) for another
+        holder, then raises RetentionError; if readers do not drain in time, raises
+        HubTimeoutError and the bytes must stay untouched."""
+        with self._lock:
+            mine = [h for k, h in self._held.items() if k[0] == model and k[1] == version]
+        if not mine:
+            raise NotFoundError(404, f"this hub holds no replica of {model!r} v{version}", "not_held")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.02
+        while True:
+            try:
+                r = self.api.post(f"/v1/models/{model}/versions/{version}/unpublish",
+                                  {"worker_id": self.worker_id})
+                if r["drained"]:
+                    break
+                why: TensorHubError = HubTimeoutError(
+                    f"unpublish {model!r} v{version}: {r['open_leases']} reader lease(s) still open; "
+                    "the tensors must stay untouched")
+            except RetentionError as e:
+                why = e
+            except NotFoundError as e:
+                if e.code == "unknown_worker":
+                    self._reregister()
+                    continue
+                raise
+            if deadline is not None and time.monotonic() >= deadline:
+                raise why
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
+        transport = self._ensure_transport()
+        with self._lock:
+            for h in mine:
+                self._held.pop((h.model, h.version, h.layout, h.shard), None)
+                self._unregister_regions(transport, h.regions)
+        logger.info("unpublished %s v%d", model, version)
+
+    @staticmethod
+    def _register_regions(transport: Transport, regions: list[tuple[int, int]]) -> None:
+        done: list[tuple[int, int]] = []
+        try:
+            for a, n in regions:
+                transport.register(a, n)
+                done.append((a, n))
+        except BaseException:
+            Hub._unregister_regions(transport, done)
+            raise
+
+    @staticmethod
+    def _unregister_regions(transport: Transport, regions: list[tuple[int, int]]) -> None:
+        for a, n in regions:
+            try:
+                transport.unregister(a, n)
+            except TensorHubError as e:  # pragma: no cover
+                logger.warning("unregister %#x failed: %s", a, e)
+
+    # ------------------------------------------------------------------ reader
+    def latest(self, model: str) -> Optional[int]:
+        """The newest complete version of ``model``, or None."""
+        return self.api.get(f"/v1/models/{model}/latest")["version"]
+
+    def wait_for_version(self, model: str, *, newer_than: Optional[int] = None,
+                         timeout: Optional[float] = None) -> int:
+        """Block until a complete version (newer than ``newer_than``) exists; return it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            params: dict[str, Any] = {"wait": min(left, 30.0)}
+            if newer_than is not None:
+                params["newer_than"] = newer_than
+            try:
+                v = self.api.get(f"/v1/models/{model}/latest", params=params, timeout=params["wait"] + 30)["version"]
+            except NotFoundError:
+                v = None
+                time.sleep(min(0.2, left))
+            if v is not None:
+                return v
+            if deadline is not None and time.monotonic() >= deadline:
+                raise HubTimeoutError(
+                    f"no complete version of {model!r}" + (f" newer than {newer_than}" if newer_than else "")
+                    + f" within {timeout}s")
+
+    def resolve(self, model: str, *, group: Optional[str] = None) -> int:
+        """The version to fetch: the newest complete one; every caller passing the same
+        ``group`` (e.g. one id per TP group and update step) gets the same number."""
+        return self.api.post(f"/v1/models/{model}/resolve", {"group": group})["version"]
+
+    def fetch(self, model: str, version: Optional[int] = None, *, layout: str = "hf", shard: int = 0,
+              into: Optional[Mapping[str, Any]] = None, serve: bool = True, group: Optional[str] = None,
+              timeout: Optional[float] = None) -> Fetched:
+        """Read ``model`` v``version`` (newest complete when None) from the holders the
+        coordinator picks, into ``into`` (checked tensor by tensor) or new tensors.
+
+        With ``serve=True`` the result is registered as one more replica: leave the tensors
+        unchanged until ``unpublish``. ``group``: see :meth:`resolve`."""
+        self._check_open()
+        if version is None:
+            version = self.resolve(model, group=group)
+        elif not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ConfigError(f"version must be a positive int, got {version!r}")
+        deadline = time.monotonic() + (self.fetch_timeout if timeout is None else timeout)
+        with self._lock:
+            held = self._held.get((model, version, layout, shard))
+        if held is not None and into is None:
+            return self._fetched(dict(held.tensors), version, layout, shard, 0, 0.0, {}, [])
+        transport = self._ensure_transport()
+        leases: list[str] = []
+        grant = self._acquire(model, version, layout, shard, set(), deadline)
+        leases.append(grant.lease_id)
+        manifest = grant.manifest
+        if into is not None:
+            local = check_into(manifest, into)
+            out, buf = dict(into), None
+        else:
+            buf, out = allocate_like(manifest)
+            local = [t.data_ptr() for t in out.values()]
+        regions = coalesce([(a, s.nbytes) for a, s in zip(local, manifest.tensors)])
+        self._register_regions(transport, regions)
+        served = False
+        try:
+            # Enough chunks to stripe over every source with a few batches in flight each.
+            spread = -(-manifest.nbytes // (2 * _DEPTH * max(1, len(grant.replicas))))
+            chunk = min(self.chunk_bytes, max(_MIN_CHUNK, spread))
+            reader = ShardReader(transport, [s.nbytes for s in manifest.tensors], local, chunk_bytes=chunk,
+                                 depth=_DEPTH, progress_timeout=self.progress_timeout)
+            first = [grant]
+
+            def sources(excluded: set[str]) -> list[Source]:
+                g = first.pop() if first else self._acquire(model, version, layout, shard, excluded, deadline)
+                if g.lease_id not in leases:
+                    leases.append(g.lease_id)
+                return [Source(r.replica_id, r.worker_id, r.endpoint, tuple(r.addresses), g.lease_id, r.cost)
+                        for r in g.replicas]
+
+            def report(src: Source, reason: str) -> None:
+                self.api.post(f"/v1/replicas/{src.replica_id}/report",
+                              {"worker_id": self.worker_id, "reason": reason[:1000]}, retry_timeout=2.0)
+
+            renew_every = max(1.0, self._lease_ttl / 3)
+            last_renew = [time.monotonic()]
+
+            def renew() -> None:
+                if time.monotonic() - last_renew[0] < renew_every:
+                    return
+                last_renew[0] = time.monotonic()
+                for lid in leases:
+                    try:
+                        self.api.post(f"/v1/leases/{lid}/renew", retry_timeout=2.0)
+                    except TensorHubError:
+                        pass  # release will tell whether it lapsed
+
+            todo: Optional[list[int]] = None
+            total_sources: dict[str, int] = {}
+            failed: list[str] = []
+            nbytes, seconds = 0, 0.0
+            for attempt in range(3):
+                try:
+                    stats = reader.run(sources, report, chunks=todo, deadline=deadline, on_tick=renew)
+                except BaseException:
+                    if reader.stuck:  # a hung batch may still write there: never free it
+                        _QUARANTINE.append(buf if buf is not None else out)
+                        regions = []  # and never unregister it
+                    raise
+                nbytes += stats.nbytes
+                seconds += stats.seconds
+                failed += stats.failed_sources
+                for w, n in stats.bytes_by_source.items():
+                    total_sources[w] = total_sources.get(w, 0) + n
+                lapsed = [lid for lid in leases if not self._release(lid)]
+                leases.clear()
+                if not lapsed:
+                    break
+                todo = sorted(c for lid in lapsed for c in stats.chunks_by_lease.get(lid, []))
+                logger.warning("%s v%d: lease(s) %s lapsed during the read; re-reading %d chunk(s)",
+                               model, version, lapsed, len(todo))
+                first.clear()
+            else:
+                raise LeaseLapsedError(f"{model!r} v{version}: leases kept lapsing; bytes discarded")
+            if serve:
+                h = _Held(model, version, layout, shard, grant.num_shards, manifest, local, regions, out,
+                          extra=[buf])
+                h.replica_id = self._register_replica(h)
+                with self._lock:
+                    self._held[(model, version, layout, shard)] = h
+                served = True
+            logger.info("fetched %s v%d layout %s shard %d: %.1f MB in %.3fs (%.2f GB/s) from %s",
+                        model, version, layout, shard, nbytes / 1e6, seconds,
+                        nbytes / seconds / 1e9 if seconds else 0.0, total_sources)
+            return self._fetched(out, version, layout, shard, nbytes, seconds, total_sources, failed)
+        finally:
+            if not served:
+                self._release_all(leases)
+                self._unregister_regions(transport, regions)
+
+    def _acquire(self, model: str, version: int, layout: str, shard: int, excluded: set[str],
+                 deadline: float) -> LeaseGrant:
+        """A lease on the shard; waits (until ``deadline``) while no replica is serving."""
+        delay = 0.05
+        while True:
+            try:
+                body = self.api.post("/v1/leases", {
+                    "worker_id": self.worker_id, "model": model, "version": version, "layout": layout,
+                    "shard": shard, "max_sources": self.max_sources, "exclude": sorted(excluded)[:1024],
+                })
+                grant = LeaseGrant.model_validate(body)
+                if grant.version != version:
+                    raise FetchError(f"asked for {model!r} v{version} but the lease is for v{grant.version}")
+                return grant
+            except ConflictError as e:
+                if e.code != "no_replica" or time.monotonic() + delay > deadline:
+                    raise FetchError(f"cannot fetch {model!r} v{version}: {e.message}") from e
+            except NotFoundError as e:
+                if e.code != "unknown_worker":
+                    raise
+                self._reregister()
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _release(self, lease_id: str) -> bool:
+        try:
+            return bool(self.api.post(f"/v1/leases/{lease_id}/release")["valid"])
+        except NotFoundError:
+            return False
+
+    def _release_all(self, leases: list[str]) -> None:
+        for lid in leases:
+            try:
+                self._release(lid)
+            except TensorHubError:
+                pass
+        leases.clear()
+
+    @staticmethod
+    def _fetched(out: dict, version: int, layout: str, shard: int, nbytes: int, seconds: float,
+                 sources: dict[str, int], failed: list[str]) -> Fetched:
+        f = Fetched(out)
+        f.version, f.layout, f.shard, f.nbytes, f.seconds = version, layout, shard, nbytes, seconds
+        f.sources, f.failed_sources = sources, failed
+        return f
+
+    def held(self) -> list[tuple[str, int, str, int]]:
+        """(model, version, layout, shard) of every replica this process holds."""
+        with self._lock:
+            return sorted(self._held)
+
+
+def connect(url: Optional[str] = None, *, worker_id: Optional[str] = None,
+            locality: Optional[Locality | str | Mapping[str, str]] = None, token: Optional[str] = None,
+            **options: Any) -> Hub:
+    """Connect to the coordinator at ``url`` (default: ``TENSORHUB_COORDINATOR``)."""
+    return Hub(url, worker_id=worker_id, locality=locality, token=token, **options).connect()
