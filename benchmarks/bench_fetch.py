@@ -5,7 +5,7 @@ same run and interleaved round by round:
 
 * ``memcpy``   -- a local tensor copy of the same size (the machine's ceiling),
 * ``mooncake`` -- a raw Mooncake batch read of the same bytes (the publisher's registered
-  memory, 64 MiB entries, one async batch, polled),
+  memory, 64 MiB entries, one ``batch_transfer_sync_read`` call on a bare engine),
 * ``tensorhub``-- ``hub.fetch(..., into=preallocated, serve=False)`` through the
   coordinator (lease, chunked reads, release),
 * ``tensorhub-new`` -- ``hub.fetch`` into freshly allocated tensors (page faults included).
@@ -58,7 +58,6 @@ def main() -> int:
 
     import tensorhub
     from tensorhub.coordinator import EmbeddedCoordinator
-    from tensorhub.transport import DONE, PENDING, MooncakeTransport, ReadOp
 
     nbytes = int(args.gib * (1 << 30)) // (16 * 4) * 16 * 4
     with tempfile.TemporaryDirectory() as state, EmbeddedCoordinator(state) as coord:
@@ -72,11 +71,24 @@ def main() -> int:
         dst = {f"layers.{i}.weight": torch.zeros(s // 4, dtype=torch.float32) for i, s in enumerate(sizes)}
         flat_src = torch.ones(nbytes // 4, dtype=torch.float32)
         flat_dst = torch.zeros(nbytes // 4, dtype=torch.float32)
-        raw = MooncakeTransport(host="127.0.0.1")
-        raw.start()
+        # Raw Mooncake: its own engine, one batch of 64 MiB entries, the engine's sync batch call.
+        from mooncake.engine import TransferEngine
+
+        raw = TransferEngine()
+        if raw.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("raw Mooncake engine did not initialize")
         raw_dst = torch.zeros(nbytes // 4, dtype=torch.float32)
-        raw.register(raw_dst.data_ptr(), raw_dst.nbytes)
+        if raw.register_memory(raw_dst.data_ptr(), raw_dst.nbytes) != 0:
+            raise RuntimeError("raw Mooncake register_memory failed")
         entry = 64 << 20
+        locs, rems, lens, off = [], [], [], 0
+        for a, s in zip(addrs, sizes):
+            for o in range(0, s, entry):
+                n = min(entry, s - o)
+                locs.append(raw_dst.data_ptr() + off + o)
+                rems.append(a + o)
+                lens.append(n)
+            off += s
 
         def t_memcpy() -> float:
             t0 = time.perf_counter()
@@ -84,17 +96,10 @@ def main() -> int:
             return time.perf_counter() - t0
 
         def t_mooncake() -> float:
-            ops, off = [], 0
-            for a, s in zip(addrs, sizes):
-                for o in range(0, s, entry):
-                    n = min(entry, s - o)
-                    ops.append(ReadOp(raw_dst.data_ptr() + off + o, a + o, n))
-                off += s
             t0 = time.perf_counter()
-            h = raw.submit_read(endpoint, ops)
-            while (st := raw.poll(h)) == PENDING:
-                time.sleep(0.0005)
-            assert st == DONE, st
+            rc = raw.batch_transfer_sync_read(endpoint, locs, rems, lens)
+            if rc != 0:
+                raise RuntimeError(f"raw Mooncake batch read failed: {rc}")
             return time.perf_counter() - t0
 
         def t_fetch() -> float:
@@ -124,7 +129,6 @@ def main() -> int:
         parent.send("done")
         proc.join(30)
         hub.close()
-        raw.close()
 
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     result = {

@@ -255,18 +255,33 @@ class Hub:
             with self._lock:
                 self._register_worker()
                 for h in list(self._held.values()):
-                    h.replica_id = self._register_replica(h)
+                    self.api.post(f"/v1/models/{h.model}/versions", {"version": h.version})
+                    h.replica_id = self.api.post("/v1/replicas", self._replica_body(h))["replica_id"]
         except TensorHubError as e:
             logger.warning("re-registration failed (will retry): %s", e)
 
+    def _as_worker(self, path: str, body: Any, **kw: Any) -> Any:
+        """POST a worker-scoped call; if the coordinator forgot us (it restarted), register
+        again (with every held replica) and retry once."""
+        try:
+            return self.api.post(path, body, **kw)
+        except NotFoundError as e:
+            if e.code != "unknown_worker":
+                raise
+            logger.warning("coordinator forgot worker %s; re-registering", self.worker_id)
+            self._reregister()
+            return self.api.post(path, body, **kw)
+
     def _register_replica(self, h: _Held) -> str:
         self.api.post(f"/v1/models/{h.model}/versions", {"version": h.version})
-        r = self.api.post("/v1/replicas", {
+        return self._as_worker("/v1/replicas", self._replica_body(h))["replica_id"]
+
+    def _replica_body(self, h: _Held) -> dict:
+        return {
             "worker_id": self.worker_id, "model": h.model, "version": h.version, "layout": h.layout,
             "shard": h.shard, "num_shards": h.num_shards,
             "manifest": h.manifest.model_dump(mode="json"), "addresses": h.addresses,
-        })
-        return r["replica_id"]
+        }
 
     # ------------------------------------------------------------------ holder
     def publish(self, model: str, tensors: Mapping[str, Any], *, version: Optional[int] = None,
@@ -310,8 +325,8 @@ class Hub:
         delay = 0.02
         while True:
             try:
-                r = self.api.post(f"/v1/models/{model}/versions/{version}/unpublish",
-                                  {"worker_id": self.worker_id})
+                r = self._as_worker(f"/v1/models/{model}/versions/{version}/unpublish",
+                                    {"worker_id": self.worker_id})
                 if r["drained"]:
                     break
                 why: TensorHubError = HubTimeoutError(
@@ -319,11 +334,6 @@ class Hub:
                     "the tensors must stay untouched")
             except RetentionError as e:
                 why = e
-            except NotFoundError as e:
-                if e.code == "unknown_worker":
-                    self._reregister()
-                    continue
-                raise
             if deadline is not None and time.monotonic() >= deadline:
                 raise why
             time.sleep(delay)
@@ -433,7 +443,7 @@ class Hub:
                         for r in g.replicas]
 
             def report(src: Source, reason: str) -> None:
-                self.api.post(f"/v1/replicas/{src.replica_id}/report",
+                self._as_worker(f"/v1/replicas/{src.replica_id}/report",
                               {"worker_id": self.worker_id, "reason": reason[:1000]}, retry_timeout=2.0)
 
             renew_every = max(1.0, self._lease_ttl / 3)
@@ -498,7 +508,7 @@ class Hub:
         delay = 0.05
         while True:
             try:
-                body = self.api.post("/v1/leases", {
+                body = self._as_worker("/v1/leases", {
                     "worker_id": self.worker_id, "model": model, "version": version, "layout": layout,
                     "shard": shard, "max_sources": self.max_sources, "exclude": sorted(excluded)[:1024],
                 })
@@ -509,10 +519,6 @@ class Hub:
             except ConflictError as e:
                 if e.code != "no_replica" or time.monotonic() + delay > deadline:
                     raise FetchError(f"cannot fetch {model!r} v{version}: {e.message}") from e
-            except NotFoundError as e:
-                if e.code != "unknown_worker":
-                    raise
-                self._reregister()
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

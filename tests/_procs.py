@@ -84,7 +84,11 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
         transport_for_hub: Any = gated
     else:
         transport_for_hub = transport
-    hub = tensorhub.connect(url, worker_id=name, token=token, transport=transport_for_hub, **options)
+    try:
+        hub = tensorhub.connect(url, worker_id=name, token=token, transport=transport_for_hub, **options)
+    except Exception as e:
+        conn.send(("error", type(e).__name__, str(e)))
+        return
     published: dict[int, dict] = {}
     conn.send(("ready", hub.worker_id))
     while True:
@@ -145,8 +149,11 @@ class Worker:
                                                           options), daemon=True)
         self.proc.start()
         self.name = name
-        tag, self.worker_id = self._recv(120)
-        assert tag == "ready"
+        msg = self._recv(120)
+        if msg[0] == "error":
+            self.proc.join(10)
+            raise WorkerError(msg[1], msg[2])
+        self.worker_id = msg[1]
 
     def _recv(self, timeout: float) -> Any:
         if not self.conn.poll(timeout):
