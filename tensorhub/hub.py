@@ -446,7 +446,7 @@ class Hub:
                 self._as_worker(f"/v1/replicas/{src.replica_id}/report",
                               {"worker_id": self.worker_id, "reason": reason[:1000]}, retry_timeout=2.0)
 
-            renew_every = max(1.0, self._lease_ttl / 3)
+            renew_every = max(0.1, self._lease_ttl / 3)
             last_renew = [time.monotonic()]
 
             def renew() -> None:

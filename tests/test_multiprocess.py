@@ -174,6 +174,29 @@ def test_bad_input_gets_clear_errors_and_service_keeps_serving(coordinator, work
     assert reader.call("fetch", version=v)["digest"] == expected(31, 4 * MiB)
 
 
+def test_killed_holder_is_dropped_within_worker_ttl(tmp_path, workers):
+    from conftest import CoordinatorProcess
+
+    c = CoordinatorProcess(tmp_path / "state", extra=("--worker-ttl", "2"))
+    c.start()
+    try:
+        a = workers(c.url, "a")
+        b = workers(c.url, "b")
+        v = a.call("publish", seed=51, nbytes=2 * MiB)
+        assert b.call("fetch", version=v)["digest"] == expected(51, 2 * MiB)
+        a.kill()
+        t0 = time.monotonic()
+        while any(r["worker_id"] == "a" for r in replicas_of(status(c.url), v)):
+            assert time.monotonic() - t0 < 2 + 3, "the dead holder's replica outlived the TTL"
+            time.sleep(0.1)
+        assert [r["worker_id"] for r in replicas_of(status(c.url), v)] == ["b"]
+        reader = workers(c.url, "reader")
+        got = reader.call("fetch", version=v)
+        assert got["digest"] == expected(51, 2 * MiB) and got["sources"] == {"b": got["nbytes"]}
+    finally:
+        c.stop()
+
+
 def test_wrong_token_is_refused_and_changes_nothing(tmp_path, workers):
     from conftest import CoordinatorProcess
 
