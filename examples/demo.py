@@ -64,18 +64,21 @@ def publisher(url: str, versions: int, mib: int, q) -> None:
         time.sleep(3.0)  # stay a source while readers finish
 
 
-def reader(url: str, name: str, versions: int, q) -> None:
+def reader(url: str, name: str, versions: int, delay: float, q) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
     import tensorhub
 
     with tensorhub.connect(url, worker_id=name) as hub:
-        seen = 0
+        seen, params = 0, None
         for _ in range(versions):
             v = hub.wait_for_version(MODEL, newer_than=seen, timeout=120)
-            out = hub.fetch(MODEL, v)  # serve=True: we become a source of v
+            time.sleep(delay)  # engines notice at different times; latecomers read from peers too
+            if params is not None:
+                hub.unpublish(MODEL, seen, timeout=60)  # readers of our copy drain first...
+            # ... then overwrite our weights in place; serve=True makes us a source of v
+            out = hub.fetch(MODEL, v, into=params)
+            params = dict(out)
             q.put(("fetched", name, (v, checksum(out), out.nbytes, out.seconds, dict(out.sources))))
-            if seen:
-                hub.unpublish(MODEL, seen, timeout=60)  # an engine keeps only its current version
             seen = v
         time.sleep(3.0)
 
@@ -94,7 +97,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as state, EmbeddedCoordinator(state) as coord:
         print(f"coordinator (embedded) on {coord.url}")
         procs = [ctx.Process(target=publisher, args=(coord.url, args.versions, args.mib, q))]
-        procs += [ctx.Process(target=reader, args=(coord.url, f"engine-{i}", args.versions, q)) for i in range(2)]
+        procs += [ctx.Process(target=reader, args=(coord.url, f"engine-{i}", args.versions, 0.4 * i, q))
+                  for i in range(2)]
         for p in procs:
             p.start()
         sums: dict[int, str] = {}
