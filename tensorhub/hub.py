@@ -411,23 +411,33 @@ class Hub:
         deadline = time.monotonic() + (self.fetch_timeout if timeout is None else timeout)
         with self._lock:
             held = self._held.get((model, version, layout, shard))
-        if held is not None and into is None:
-            return self._fetched(dict(held.tensors), version, layout, shard, 0, 0.0, {}, [])
+        if held is not None:  # we hold it already: no transfer
+            if into is None:
+                return self._fetched(dict(held.tensors), version, layout, shard, 0, 0.0, {}, [])
+            check_into(held.manifest, into)
+            self._check_not_served(into)
+            for name, t in held.tensors.items():
+                into[name].copy_(t)
+            return self._fetched(dict(into), version, layout, shard, held.manifest.nbytes, 0.0,
+                                 {self.worker_id: held.manifest.nbytes}, [])
         transport = self._ensure_transport()
         leases: list[str] = []
         grant = self._acquire(model, version, layout, shard, set(), deadline)
         leases.append(grant.lease_id)
         manifest = grant.manifest
-        if into is not None:
-            local = check_into(manifest, into)
-            out, buf = dict(into), None
-        else:
-            buf, out = allocate_like(manifest)
-            local = [t.data_ptr() for t in out.values()]
-        regions = coalesce([(a, s.nbytes) for a, s in zip(local, manifest.tensors)])
-        self._register_regions(transport, regions)
+        regions: list[tuple[int, int]] = []
         served = False
         try:
+            if into is not None:
+                local = check_into(manifest, into)
+                self._check_not_served(into)
+                out, buf = dict(into), None
+            else:
+                buf, out = allocate_like(manifest)
+                local = [t.data_ptr() for t in out.values()]
+            wanted = coalesce([(a, s.nbytes) for a, s in zip(local, manifest.tensors)])
+            self._register_regions(transport, wanted)
+            regions = wanted
             # Enough chunks to stripe over every source with a few batches in flight each.
             spread = -(-manifest.nbytes // (2 * _DEPTH * max(1, len(grant.replicas))))
             chunk = min(self.chunk_bytes, max(_MIN_CHUNK, spread))
@@ -466,11 +476,15 @@ class Hub:
             for attempt in range(3):
                 try:
                     stats = reader.run(sources, report, chunks=todo, deadline=deadline, on_tick=renew)
-                except BaseException:
-                    if reader.stuck:  # a hung batch may still write there: never free it
-                        _QUARANTINE.append(buf if buf is not None else out)
-                        regions = []  # and never unregister it
-                    raise
+                except BaseException as e:
+                    if not reader.stuck:
+                        raise
+                    # A hung batch may still write there: never free or unregister that memory.
+                    _QUARANTINE.append(buf if buf is not None else out)
+                    regions = []
+                    raise FetchError(
+                        f"{e}; a hung source may still write into the destination"
+                        + (": do not reuse the `into` tensors" if into is not None else "")) from e
                 nbytes += stats.nbytes
                 seconds += stats.seconds
                 failed += stats.failed_sources
@@ -501,6 +515,18 @@ class Hub:
             if not served:
                 self._release_all(leases)
                 self._unregister_regions(transport, regions)
+
+    def _check_not_served(self, into: Mapping[str, Any]) -> None:
+        """Refuse to write into memory this hub still serves (invariant 3: unpublish first)."""
+        with self._lock:
+            served = [(a, n, h) for h in self._held.values() for a, n in h.regions]
+        for name, t in into.items():
+            lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+            for a, n, h in served:
+                if lo < a + n and a < hi:
+                    raise ConfigError(
+                        f"into[{name!r}] lies in memory this hub serves as {h.model!r} v{h.version}; "
+                        f"unpublish({h.model!r}, {h.version}) first")
 
     def _acquire(self, model: str, version: int, layout: str, shard: int, excluded: set[str],
                  deadline: float) -> LeaseGrant:

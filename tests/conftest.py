@@ -23,17 +23,21 @@ class CoordinatorProcess:
         self.state_dir = state_dir
         self.token_file = token_file
         self.extra = extra
+        self.log_level = "warning"
         self.port = 0
         self.proc: Optional[subprocess.Popen] = None
         self.url = ""
 
     def start(self) -> str:
         cmd = [sys.executable, "-m", "tensorhub", "coordinator", "--host", "127.0.0.1",
-               "--port", str(self.port), "--state-dir", str(self.state_dir), "--log-level", "warning",
+               "--port", str(self.port), "--state-dir", str(self.state_dir), "--log-level", self.log_level,
                *self.extra]
         if self.token_file is not None:
             cmd += ["--token-file", str(self.token_file)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+        self.log_path = self.state_dir.parent / "coordinator.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         deadline = time.monotonic() + 30
         line = ""
         while time.monotonic() < deadline:

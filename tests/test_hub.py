@@ -189,3 +189,19 @@ def test_replicas_of_a_silent_worker_are_dropped_after_ttl(embedded, connect):
         assert time.monotonic() < deadline, "a's replica outlived the worker TTL"
         time.sleep(0.1)
     assert {r.worker_id for r in embedded.coordinator.state.replicas.values()} == {"b"}
+
+
+def test_fetch_refuses_to_overwrite_memory_still_served(connect):
+    pub, r = connect("pub"), connect("r")
+    v1 = pub.publish("m", weights(13))
+    mine = r.fetch("m", v1)  # r now serves v1 from `mine`
+    v2 = pub.publish("m", weights(14))
+    with pytest.raises(tensorhub.ConfigError, match=r"serves as 'm' v1; unpublish\('m', 1\) first"):
+        r.fetch("m", v2, into=dict(mine))
+    assert same(mine, weights(13))  # untouched
+    r.unpublish("m", v1)
+    assert same(r.fetch("m", v2, into=dict(mine)), weights(14))
+    # fetching what we already hold into other tensors is a local copy
+    other = {k: torch.zeros_like(t) for k, t in mine.items()}
+    got = r.fetch("m", v2, into=other)
+    assert same(other, weights(14)) and got.sources == {"r": got.nbytes}

@@ -203,6 +203,7 @@ def test_wrong_token_is_refused_and_changes_nothing(tmp_path, workers):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
     c = CoordinatorProcess(tmp_path / "state", token_file=token_file)
+    c.log_level = "debug"
     c.start()
     try:
         assert httpx.get(f"{c.url}/healthz").status_code == 200
@@ -221,3 +222,6 @@ def test_wrong_token_is_refused_and_changes_nothing(tmp_path, workers):
         assert status(c.url, "s3cret-token")["models"][0]["counter"] == 1
     finally:
         c.stop()
+    log = c.log_path.read_text()
+    assert "coordinator epoch" in log  # the log was captured (debug level)...
+    assert "s3cret" not in log  # ...and never shows the token
