@@ -135,12 +135,6 @@ class InMemoryTransport(Transport):
                 _REGISTRY[self._endpoint] = self
             return self._endpoint
 
-    @property
-    def endpoint(self) -> str:
-        if self._endpoint is None:
-            raise TransferError("endpoint", "", -1, "start() the transport first")
-        return self._endpoint
-
     def close(self) -> None:
         """Fail and join pending reads, leave the registry, unregister everything. Idempotent."""
         if self._closed:

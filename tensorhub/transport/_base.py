@@ -71,6 +71,7 @@ class Transport(ABC):
         self._regions: dict[int, _Region] = {}  # start address -> region
         self._regions_lock = threading.Lock()
         self._closed = False
+        self._endpoint: str | None = None  # set by start()
 
     # ------------------------------------------------------------------ lifecycle
     @abstractmethod
@@ -78,9 +79,11 @@ class Transport(ABC):
         """Bring the transport up; return this process's endpoint (``host:port``)."""
 
     @property
-    @abstractmethod
     def endpoint(self) -> str:
-        """The name other processes pass as ``peer`` to read from this one."""
+        """The name other processes pass as ``peer`` to read from this one (after ``start``)."""
+        if self._endpoint is None:
+            raise TransferError("endpoint", "", -1, "start() the transport first")
+        return self._endpoint
 
     def close(self) -> None:
         """Unregister every region and shut the transport down. Idempotent."""

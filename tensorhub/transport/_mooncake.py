@@ -247,12 +247,6 @@ class MooncakeTransport(Transport):
             value = 0
         return float(value if value > 0 else 30)
 
-    @property
-    def endpoint(self) -> str:
-        if self._endpoint is None:
-            raise TransferError("endpoint", "", -1, "start() the transport first")
-        return self._endpoint
-
     def close(self) -> None:
         """Wait for in-flight reads, unregister everything, destroy the engine. Idempotent."""
         if self._closed:
