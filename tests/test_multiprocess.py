@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from _procs import Worker, WorkerError, digest, make_weights
+from tensorhub.testing import CoordinatorProcess, Worker, WorkerError, digest, make_weights
 
 pytestmark = pytest.mark.multiprocess
 
@@ -175,8 +175,6 @@ def test_bad_input_gets_clear_errors_and_service_keeps_serving(coordinator, work
 
 
 def test_killed_holder_is_dropped_within_worker_ttl(tmp_path, workers):
-    from conftest import CoordinatorProcess
-
     c = CoordinatorProcess(tmp_path / "state", extra=("--worker-ttl", "2"))
     c.start()
     try:
@@ -198,8 +196,6 @@ def test_killed_holder_is_dropped_within_worker_ttl(tmp_path, workers):
 
 
 def test_wrong_token_is_refused_and_changes_nothing(tmp_path, workers):
-    from conftest import CoordinatorProcess
-
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
     c = CoordinatorProcess(tmp_path / "state", token_file=token_file)

@@ -1,17 +1,29 @@
-"""Worker processes for the multi-process tests (spawned; real Hub, real Mooncake).
+"""Scriptable worker processes and a coordinator process, for tests, soaks and benchmarks.
 
-Each worker runs a command loop over a pipe, so a test can script several processes
-step by step: publish, fetch, unpublish, and report what happened.
+:class:`Worker` spawns a process with a real Hub over real Mooncake that runs a command
+loop over a pipe (publish, fetch, unpublish, ...), so a test can script several
+processes step by step and fault them (:mod:`tensorhub.testing._faults`).
+:class:`CoordinatorProcess` runs ``tensorhub coordinator`` on a free port and can kill
+and restart it on the same port and state dir. Weights are deterministic per seed
+(:func:`make_weights`) and checked with per-tensor sha256 (:func:`digest`).
+torch is imported inside functions.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Optional
+
+__all__ = ["CoordinatorProcess", "Worker", "WorkerError", "make_weights", "digest", "enter_netns"]
 
 MODEL = "policy"
 
@@ -69,13 +81,29 @@ class _Gated:
         return st
 
 
+def enter_netns(name: str) -> None:
+    """Move this process into network namespace ``name`` (``ip netns add`` made it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into {name} failed")
+    finally:
+        os.close(fd)
+
+
 def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any, first_done: Any,
                 options: dict) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
+    options = dict(options)
+    netns = options.pop("netns", None)
+    data_host = options.pop("data_host", "127.0.0.1")
+    if netns:
+        enter_netns(netns)
     import tensorhub
     from tensorhub.transport import MooncakeTransport
 
-    transport = MooncakeTransport(host="127.0.0.1")
+    transport = MooncakeTransport(host=data_host)
     if gate is not None:
         transport.start()
         gated = _Gated(transport, first_done, gate)
@@ -111,7 +139,13 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                             into[k] = torch.zeros(3, dtype=into[k].dtype)
                         else:
                             into[k] = torch.zeros(into[k].shape, dtype=torch.float64)
-                f = hub.fetch(MODEL, kw.get("version"), serve=kw.get("serve", True), into=into)
+                t0 = time.monotonic()
+                try:
+                    f = hub.fetch(MODEL, kw.get("version"), serve=kw.get("serve", True), into=into,
+                                  timeout=kw.get("timeout"))
+                except Exception as e:
+                    e.args = (f"{e} (after {time.monotonic() - t0:.2f}s)",)
+                    raise
                 conn.send(("ok", {"version": f.version, "digest": digest(f), "sources": f.sources,
                                   "failed_sources": f.failed_sources, "nbytes": f.nbytes,
                                   "seconds": f.seconds}))
@@ -126,6 +160,8 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                 conn.send(("ok", hub.latest(MODEL)))
             elif cmd == "held":
                 conn.send(("ok", hub.held()))
+            elif cmd == "pid":
+                conn.send(("ok", os.getpid()))
             elif cmd == "exit":
                 hub.close()
                 conn.send(("ok", None))
@@ -137,7 +173,8 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
 
 
 class Worker:
-    """Parent-side handle of a worker process."""
+    """Parent-side handle of a worker process (``options`` go to ``tensorhub.connect``;
+    ``netns=NAME`` runs it in that network namespace, ``data_host`` is its data-plane address)."""
 
     def __init__(self, url: str, name: str, *, token: Optional[str] = None, gated: bool = False,
                  **options: Any) -> None:
@@ -149,6 +186,7 @@ class Worker:
                                                           options), daemon=True)
         self.proc.start()
         self.name = name
+        self.pid = self.proc.pid
         msg = self._recv(120)
         if msg[0] == "error":
             self.proc.join(10)
@@ -192,3 +230,64 @@ class WorkerError(Exception):
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.message = message
+
+
+class CoordinatorProcess:
+    """A real ``tensorhub coordinator`` process on a free port, restartable on the same port.
+
+    ``kill()`` is SIGKILL; ``start()`` again reuses the port and the state dir. stderr goes
+    to ``log_path`` (next to the state dir)."""
+
+    def __init__(self, state_dir: str | os.PathLike, token_file: Optional[str | os.PathLike] = None,
+                 extra: tuple[str, ...] = (), host: str = "127.0.0.1", netns: Optional[str] = None):
+        self.state_dir = Path(state_dir)
+        self.token_file = token_file
+        self.extra = extra
+        self.host = host
+        self.netns = netns
+        self.log_level = "warning"
+        self.port = 0
+        self.proc: Optional[subprocess.Popen] = None
+        self.url = ""
+        self.log_path = self.state_dir.parent / "coordinator.log"
+
+    def start(self, timeout: float = 30.0) -> str:
+        cmd = [sys.executable, "-m", "tensorhub", "coordinator", "--host", self.host,
+               "--port", str(self.port), "--state-dir", str(self.state_dir), "--log-level", self.log_level,
+               *self.extra]
+        if self.token_file is not None:
+            cmd += ["--token-file", str(self.token_file)]
+        if self.netns:
+            cmd = ["ip", "netns", "exec", self.netns, *cmd]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        deadline = time.monotonic() + timeout
+        line = ""
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if "serving on" in line or self.proc.poll() is not None:
+                break
+        if "serving on" not in line:
+            raise RuntimeError(f"coordinator did not start: {line!r}; see {self.log_path}")
+        self.url = line.split("serving on", 1)[1].strip()
+        self.port = int(self.url.rsplit(":", 1)[1])
+        return self.url
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()

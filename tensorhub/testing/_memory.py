@@ -36,8 +36,8 @@ import time
 import weakref
 from typing import Sequence
 
-from ._exceptions import ConfigError, TransferError
-from .transport._base import DONE, PENDING, ReadOp, Transport
+from .._exceptions import ConfigError, TransferError
+from ..transport._base import DONE, PENDING, ReadOp, Transport
 
 __all__ = ["InMemoryTransport"]
 

@@ -1,0 +1,161 @@
+"""Fault injection: kill (SIGKILL), hang (SIGSTOP) or slow (tc, in a network namespace)
+a source, a reader or the coordinator, at a chosen or a random point of a transfer.
+
+::
+
+    faults = Faults(coordinator_url, seed=7)
+    faults.hang(source.pid)                     # now
+    t = faults.during_read("reader-1", lambda: faults.kill(source.pid), after="random")
+    reader.call("fetch", version=v)             # the kill lands while reader-1 holds a lease
+    assert t.fired.is_set()
+    faults.slow("host3", "veth-h3", "100mbit")  # shape a host's link inside its namespace
+
+"During a read" is observed from the coordinator: the reader holds an open lease (on
+``source_worker``'s replica, if given). Every action is recorded in ``faults.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+__all__ = ["Faults", "Trigger"]
+
+
+@dataclass
+class Trigger:
+    """A pending fault: ``fired`` is set when the action ran (``error`` if it raised)."""
+
+    fired: threading.Event = field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+    fired_at: float = 0.0
+    thread: Optional[threading.Thread] = None
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self.fired.wait(timeout)
+
+
+class Faults:
+    """Fault actions on processes and links, with a log of what was done and when."""
+
+    def __init__(self, coordinator_url: Optional[str] = None, *, token: Optional[str] = None,
+                 seed: Optional[int] = None) -> None:
+        self.url = coordinator_url
+        self.token = token
+        self.rng = random.Random(seed)
+        self.log: list[tuple[float, str]] = []
+        self._stopped: set[int] = set()
+
+    def _note(self, what: str) -> None:
+        self.log.append((time.monotonic(), what))
+
+    # ------------------------------------------------------------------ processes
+    def kill(self, pid: int) -> None:
+        """SIGKILL ``pid`` (a hung process too)."""
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._stopped.discard(pid)
+        self._note(f"kill {pid}")
+
+    def hang(self, pid: int) -> None:
+        """SIGSTOP ``pid``: its sockets stay open but nothing answers (a hung peer)."""
+        os.kill(pid, signal.SIGSTOP)
+        self._stopped.add(pid)
+        self._note(f"hang {pid}")
+
+    def resume(self, pid: int) -> None:
+        """SIGCONT a process stopped by :meth:`hang`."""
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        self._stopped.discard(pid)
+        self._note(f"resume {pid}")
+
+    def resume_all(self) -> None:
+        for pid in list(self._stopped):
+            self.resume(pid)
+
+    # ------------------------------------------------------------------ links
+    @staticmethod
+    def _tc(netns: str, *args: str) -> None:
+        subprocess.run(["ip", "netns", "exec", netns, "tc", *args], check=True, capture_output=True)
+
+    def slow(self, netns: str, dev: str, rate: str = "100mbit", *, delay: Optional[str] = None) -> None:
+        """Shape ``dev`` inside namespace ``netns`` to ``rate`` (token bucket), with an optional
+        added ``delay`` (netem, e.g. ``"20ms"``). Only namespaces the caller created."""
+        if self._has_qdisc(netns, dev):
+            self._tc(netns, "qdisc", "del", "dev", dev, "root")
+        if delay:
+            self._tc(netns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", delay)
+            self._tc(netns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "tbf",
+                     "rate", rate, "burst", "256kb", "latency", "400ms")
+        else:
+            self._tc(netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb",
+                     "latency", "400ms")
+        self._note(f"slow {netns}/{dev} to {rate}" + (f" +{delay}" if delay else ""))
+
+    def unslow(self, netns: str, dev: str) -> None:
+        if self._has_qdisc(netns, dev):
+            self._tc(netns, "qdisc", "del", "dev", dev, "root")
+        self._note(f"unslow {netns}/{dev}")
+
+    @staticmethod
+    def _has_qdisc(netns: str, dev: str) -> bool:
+        out = subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "show", "dev", dev],
+                             capture_output=True, text=True).stdout
+        return "tbf" in out or "netem" in out
+
+    # ------------------------------------------------------------------ timing
+    def during_read(self, reader_worker: str, action: Callable[[], None], *,
+                    source_worker: Optional[str] = None, after: Union[float, str] = 0.0,
+                    max_after: float = 0.5, timeout: float = 60.0) -> Trigger:
+        """Run ``action`` once ``reader_worker`` holds a read lease (naming a replica of
+        ``source_worker``, if given), ``after`` seconds later (``"random"``: uniform in
+        ``[0, max_after]``). Returns at once; the returned Trigger tells when it fired."""
+        if self.url is None:
+            raise ValueError("during_read needs the coordinator URL")
+        delay = self.rng.uniform(0.0, max_after) if after == "random" else float(after)
+        trig = Trigger()
+
+        def watch() -> None:
+            import httpx
+
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            end = time.monotonic() + timeout
+            try:
+                with httpx.Client(base_url=self.url, headers=headers, timeout=5) as c:
+                    while time.monotonic() < end:
+                        if self._reading(c.get("/v1/status").json(), reader_worker, source_worker):
+                            time.sleep(delay)
+                            action()
+                            trig.fired_at = time.monotonic()
+                            self._note(f"fired during read by {reader_worker} after {delay:.3f}s")
+                            trig.fired.set()
+                            return
+                        time.sleep(0.003)
+                raise TimeoutError(f"{reader_worker} never started reading within {timeout}s")
+            except BaseException as e:  # surfaced through the trigger
+                trig.error = e
+
+        trig.thread = threading.Thread(target=watch, name="tensorhub-fault", daemon=True)
+        trig.thread.start()
+        return trig
+
+    @staticmethod
+    def _reading(status: dict, reader: str, source: Optional[str]) -> bool:
+        if source is None:
+            return any(l["worker_id"] == reader for l in status["leases"])
+        src_replicas = {
+            r["replica_id"]
+            for m in status["models"] for v in m["versions"] for r in v["replicas"] if r["worker_id"] == source
+        }
+        return any(l["worker_id"] == reader and src_replicas.intersection(l["replicas"]) for l in status["leases"])
