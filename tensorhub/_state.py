@@ -36,6 +36,8 @@ from ._exceptions import (
     NotFoundError,
     RetentionError,
 )
+from . import _planner
+from ._planner import Candidate, choose_sources, grid_chunk_bytes, start_fraction
 from ._wire import (
     AcquireLease,
     LeaseGrant,
@@ -64,6 +66,11 @@ class StateConfig:
     suspect_ttl: float = 30.0
     #: How long a group's resolved version is remembered.
     group_ttl: float = 600.0
+    #: Source-choice policy (``_planner.POLICIES``): ``topology``, or the benchmarks'
+    #: ``single-source`` baseline.
+    policy: str = "topology"
+    #: How long a newly named seeder counts as alive before it registered its partial replica.
+    seed_grace: float = 5.0
 
 
 @dataclass
@@ -88,6 +95,9 @@ class Replica:
     draining: bool = False
     suspect_until: float = 0.0
     served: int = 0  # leases granted on it
+    #: Pipelined replication: chunks reported complete while still receiving; None = complete.
+    chunks: Optional[set[int]] = None
+    num_chunks: int = 0
 
 
 @dataclass
@@ -129,15 +139,7 @@ class ModelInfo:
     versions: dict[int, VersionInfo] = field(default_factory=dict)
 
 
-def locality_cost(a: Locality, b: Locality) -> int:
-    """0 same host, 1 same zone, 2 same datacenter, 3 elsewhere."""
-    if a.datacenter != b.datacenter:
-        return 3
-    if a.zone != b.zone:
-        return 2
-    if a.host != b.host:
-        return 1
-    return 0
+locality_cost = _planner.locality_cost  # re-exported: 0 same host .. 3 another datacenter
 
 
 class CoordinatorState:
@@ -154,6 +156,8 @@ class CoordinatorState:
         self.replicas: dict[str, Replica] = {}
         self.leases: dict[str, Lease] = {}
         self.groups: dict[tuple[str, str], tuple[int, float]] = {}
+        #: (model, version, layout, shard, datacenter) -> (seeder worker id, named at)
+        self.seeders: dict[tuple, tuple[str, float]] = {}
         self._ids = itertools.count(1)
         self._writes: list[Write] = []
 
@@ -242,6 +246,8 @@ class CoordinatorState:
             del self.leases[lid]
         for key in [k for k, (_, exp) in self.groups.items() if now > exp]:
             del self.groups[key]
+        for key in [k for k, (wid, _) in self.seeders.items() if wid not in self.workers]:
+            del self.seeders[key]
         return dead
 
     # ----------------------------------------------------------------- versions
@@ -327,6 +333,8 @@ class CoordinatorState:
                 "manifest_mismatch",
             )
         known = li.manifests.get(req.shard)
+        if req.partial:
+            self._check_partial(req, known)
         if known is None:
             li.manifests[req.shard] = req.manifest
             self._writes.append(("manifest", (req.model, req.version, req.layout, req.shard), req.manifest))
@@ -338,17 +346,54 @@ class CoordinatorState:
                     f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}: {diff}",
                     "manifest_mismatch",
                 )
-        for r in self.replicas.values():  # idempotent re-registration
+        for r in self.replicas.values():  # idempotent re-registration (same memory)
             if (r.worker_id, r.model, r.version, r.layout, r.shard) == (
                 req.worker_id, req.model, req.version, req.layout, req.shard
-            ) and not r.draining:
+            ) and not r.draining and r.addresses == list(req.addresses):
                 r.addresses = list(req.addresses)
+                if not req.partial:
+                    r.chunks = None  # a partial replica completed
                 return r.replica_id, li.complete
         rid = self._new_id("r")
         self.replicas[rid] = Replica(
-            rid, req.worker_id, req.model, req.version, req.layout, req.shard, list(req.addresses), now
+            rid, req.worker_id, req.model, req.version, req.layout, req.shard, list(req.addresses), now,
+            chunks=set() if req.partial else None, num_chunks=req.num_chunks if req.partial else 0,
         )
         return rid, li.complete
+
+    @staticmethod
+    def _check_partial(req: RegisterReplica, known: Optional[Manifest]) -> None:
+        where = f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}"
+        if known is None:
+            raise ConflictError(409, f"partial replica of {where}, which has no complete replica yet",
+                                "unknown_layout")
+        grid = grid_chunk_bytes(known.nbytes)
+        if req.chunk_bytes != grid or req.num_chunks < 1:
+            raise ConflictError(
+                409, f"partial replica of {where}: chunk grid {req.chunk_bytes} bytes x {req.num_chunks} "
+                f"!= the shard's {grid} bytes", "bad_chunk_grid")
+
+    def add_chunks(self, now: float, replica_id: str, worker_id: str, chunks: Iterable[int],
+                   lease_ids: Iterable[str] = ()) -> int:
+        """The holder of a partial replica reports chunks complete in its memory; from now
+        on pipelined readers may be sent to it for them. Refused unless every lease the
+        chunks were read under is still valid. Returns how many chunks it holds."""
+        self._worker(worker_id)
+        r = self.replicas.get(replica_id)
+        if r is None or r.worker_id != worker_id:
+            raise NotFoundError(404, f"worker {worker_id!r} has no replica {replica_id!r}", "unknown_replica")
+        for lid in lease_ids:
+            l = self.leases.get(lid)
+            if l is None or l.worker_id != worker_id or l.expires < now:
+                raise ConflictError(409, f"lease {lid} has lapsed; chunks read under it are not served",
+                                    "lease_lapsed")
+        if r.chunks is None:
+            return r.num_chunks
+        for c in chunks:
+            if not 0 <= c < r.num_chunks:
+                raise ConflictError(409, f"chunk {c} outside [0, {r.num_chunks}) of {replica_id}", "bad_chunk")
+            r.chunks.add(c)
+        return len(r.chunks)
 
     def _open_leases(self, now: float, rids: set[str]) -> int:
         return sum(1 for l in self.leases.values() if l.expires >= now and rids.intersection(l.replica_ids))
@@ -363,23 +408,27 @@ class CoordinatorState:
                 r.shard
                 for r in self.replicas.values()
                 if r.model == model and r.version == version and r.layout == lname
-                and not r.draining and r.replica_id not in without
+                and not r.draining and r.chunks is None and r.replica_id not in without
             }
             if len(have) == li.num_shards:
                 return True
         return False
 
-    def unpublish(self, now: float, worker_id: str, model: str, version: int) -> tuple[bool, int]:
-        """A holder stops serving (model, version). Returns (drained, open leases).
+    def unpublish(self, now: float, worker_id: str, model: str, version: int,
+                  replica_ids: Optional[Iterable[str]] = None) -> tuple[bool, int]:
+        """A holder stops serving (model, version) -- all its replicas of it, or only
+        ``replica_ids``. Returns (drained, open leases).
 
-        The first call marks the worker's replicas as draining (no new leases); each call
+        The first call marks those replicas as draining (no new leases); each call
         removes them once no unexpired lease names them. Refused (RetentionError) when it
         would leave the model's newest complete version without a replica."""
         self._worker(worker_id)
         self._version(model, version)
+        only = None if replica_ids is None else set(replica_ids)
         mine = {
             rid for rid, r in self.replicas.items()
             if r.worker_id == worker_id and r.model == model and r.version == version
+            and (only is None or rid in only)
         }
         if not mine:
             return True, 0
@@ -425,35 +474,61 @@ class CoordinatorState:
                 "unknown_layout",
             )
         excluded = set(req.exclude)
-        cands = []
+        key = (req.model, req.version, req.layout, req.shard)
+        refresh = self.leases.get(req.lease_id) if req.lease_id is not None else None
+        if refresh is not None and (refresh.worker_id != req.worker_id or refresh.expires < now
+                                    or (refresh.model, refresh.version, refresh.layout, refresh.shard) != key):
+            raise ConflictError(409, f"lease {req.lease_id} has lapsed or is not this reader's; read again",
+                                "lease_lapsed")
+        load: dict[str, int] = {}
+        for l in self.leases.values():
+            if l.expires >= now and l is not refresh:
+                for rid in l.replica_ids:
+                    load[rid] = load.get(rid, 0) + 1
+        cands, by_id = [], {}
+        partials = 0
         for r in self.replicas.values():
-            if (r.model, r.version, r.layout, r.shard) != (req.model, req.version, req.layout, req.shard):
+            if (r.model, r.version, r.layout, r.shard) != key:
                 continue
+            partials += r.chunks is not None
             if r.draining or r.suspect_until > now or r.replica_id in excluded or r.worker_id == req.worker_id:
                 continue
             w = self.workers.get(r.worker_id)
             if w is None:
                 continue
-            load = sum(1 for l in self.leases.values() if l.expires >= now and r.replica_id in l.replica_ids)
-            cands.append((locality_cost(reader.locality, w.locality), load, r.registered_at, r, w))
-        if not cands:
+            by_id[r.replica_id] = (r, w)
+            cands.append(Candidate(r.replica_id, r.worker_id, w.locality, load.get(r.replica_id, 0),
+                                   r.registered_at, None if r.chunks is None else frozenset(r.chunks)))
+        skey = key + (reader.locality.datacenter,)
+        seeder, named = self.seeders.get(skey, (None, 0.0))
+        choice = choose_sources(reader.locality, req.worker_id, cands, max_sources=req.max_sources,
+                                pipelined=req.pipelined, seeder=seeder,
+                                seeder_alive=self._seeder_alive(now, seeder, named, key),
+                                policy=self.config.policy)
+        if not choice.sources and not (req.pipelined and cands):
             raise ConflictError(
                 409,
                 f"no replica of {req.model!r} v{req.version} layout {req.layout!r} shard {req.shard} "
                 "is serving now",
                 "no_replica",
             )
-        cands.sort(key=lambda c: (c[0], c[1], c[2]))
-        best = cands[0][0]
-        chosen = [c for c in cands if c[0] == best][: req.max_sources]
-        lid = self._new_id("l")
-        lease = Lease(
-            lid, req.worker_id, req.model, req.version, req.layout, req.shard,
-            tuple(c[3].replica_id for c in chosen), now, now + self.config.lease_ttl,
-        )
-        self.leases[lid] = lease
-        for c in chosen:
-            c[3].served += 1
+        if choice.seed and seeder != req.worker_id:
+            self.seeders[skey] = (req.worker_id, now)
+        chosen = [(cost, by_id[c.replica_id][0], by_id[c.replica_id][1]) for c, cost in choice.sources]
+        ids = tuple(r.replica_id for _, r, _ in chosen)
+        if refresh is not None:
+            lid, lease = refresh.lease_id, refresh
+            # Keep naming replicas an earlier answer sent it to: reads from them may still run.
+            lease.replica_ids = tuple(dict.fromkeys(lease.replica_ids + ids))
+            lease.expires = now + self.config.lease_ttl
+        else:
+            lid = self._new_id("l")
+            lease = Lease(lid, req.worker_id, req.model, req.version, req.layout, req.shard, ids, now,
+                          now + self.config.lease_ttl)
+            self.leases[lid] = lease
+            for _, r, _ in chosen:
+                r.served += 1
+        chunk_bytes = grid_chunk_bytes(li.manifests[req.shard].nbytes) if req.pipelined else 0
         return LeaseGrant(
             lease_id=lid,
             model=req.model,
@@ -466,11 +541,26 @@ class CoordinatorState:
                 ReplicaInfo(
                     replica_id=r.replica_id, worker_id=w.worker_id, endpoint=w.endpoint,
                     locality=w.locality, addresses=r.addresses, cost=cost,
+                    chunks=None if r.chunks is None else sorted(r.chunks),
                 )
-                for cost, _, _, r, w in chosen
+                for cost, r, w in chosen
             ],
             ttl=self.config.lease_ttl,
+            chunk_bytes=chunk_bytes,
+            start=start_fraction(partials) if req.pipelined else 0.0,
+            seed=choice.seed,
+            reason=choice.reason,
         )
+
+    def _seeder_alive(self, now: float, seeder: Optional[str], named: float, key: tuple) -> bool:
+        """Does the seeder named for a datacenter still count: a live worker holding a
+        serving replica (partial or complete) of the shard, or named moments ago."""
+        if seeder is None or seeder not in self.workers:
+            return False
+        for r in self.replicas.values():
+            if r.worker_id == seeder and (r.model, r.version, r.layout, r.shard) == key:
+                return not r.draining and r.suspect_until <= now
+        return now - named < self.config.seed_grace
 
     def _lease_from_earlier_epoch(self, lease_id: str) -> bool:
         parts = lease_id.split("-")
@@ -522,6 +612,7 @@ class CoordinatorState:
                             "locality": self.workers[r.worker_id].locality.model_dump(),
                             "open_leases": self._open_leases(now, {r.replica_id}),
                             "served": r.served,
+                            "partial": None if r.chunks is None else f"{len(r.chunks)}/{r.num_chunks}",
                         }
                         for r in sorted(reps, key=lambda r: r.registered_at)
                     ],

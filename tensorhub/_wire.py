@@ -28,6 +28,8 @@ MAX_TENSOR_BYTES = 1 << 50
 MAX_SHARDS = 65_536
 #: Largest version number.
 MAX_VERSION = (1 << 53) - 1
+#: Most chunks of one shard's pipelining grid.
+MAX_CHUNKS = 1 << 22
 
 #: dtype name -> bytes per element. Names follow torch (``torch.float32`` -> ``float32``).
 DTYPE_SIZES: dict[str, int] = {
@@ -165,6 +167,12 @@ class RegisterReplica(_Model):
     num_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] = 1
     manifest: Manifest
     addresses: list[Address] = Field(max_length=MAX_TENSORS)
+    #: A reader that is still receiving (pipelined replication): it serves only the chunks
+    #: it reports through ``ReportChunks``; registering again without ``partial`` completes it.
+    partial: bool = False
+    #: The chunk grid the partial replica uses (must be the lease's ``chunk_bytes``).
+    chunk_bytes: Annotated[int, Field(ge=0, le=1 << 30)] = 0
+    num_chunks: Annotated[int, Field(ge=0, le=MAX_CHUNKS)] = 0
 
     @model_validator(mode="after")
     def _shape(self) -> "RegisterReplica":
@@ -179,6 +187,8 @@ class RegisterReplica(_Model):
 
 class Unpublish(_Model):
     worker_id: Ident
+    #: Only these replicas of the worker (default: all of its replicas of the version).
+    replica_ids: Optional[list[Ident]] = Field(default=None, max_length=1024)
 
 
 class AcquireLease(_Model):
@@ -189,6 +199,20 @@ class AcquireLease(_Model):
     shard: Shard = 0
     max_sources: Annotated[int, Field(ge=1, le=64)] = 4
     exclude: list[Ident] = Field(default_factory=list, max_length=1024)
+    #: The reader understands partial replicas (chunk sets) and cross-datacenter seeding.
+    pipelined: bool = False
+    #: Refresh this (still valid) lease of the same worker instead of opening a new one.
+    lease_id: Optional[Ident] = None
+
+
+class ReportChunks(_Model):
+    """A partial replica's holder reports chunks that are now complete in its memory."""
+
+    worker_id: Ident
+    chunks: list[Annotated[int, Field(ge=0, lt=MAX_CHUNKS)]] = Field(max_length=MAX_CHUNKS)
+    #: The leases the chunks were read under: refused unless all are still valid, so a
+    #: chunk read under a lease that lapsed is never offered to other readers.
+    lease_ids: list[Ident] = Field(default_factory=list, max_length=1024)
 
 
 class Report(_Model):
@@ -204,6 +228,8 @@ class ReplicaInfo(_Model):
     locality: Locality
     addresses: list[int]
     cost: int = 0
+    #: Chunks this replica may be read for (a partial replica); None: all of them.
+    chunks: Optional[list[int]] = None
 
 
 class LeaseGrant(_Model):
@@ -216,6 +242,12 @@ class LeaseGrant(_Model):
     manifest: Manifest
     replicas: list[ReplicaInfo]
     ttl: float
+    #: Pipelined leases: the shard's chunk grid, where in the chunk order this reader
+    #: starts, whether it is its datacenter's seeder, and why these sources.
+    chunk_bytes: int = 0
+    start: float = 0.0
+    seed: bool = False
+    reason: str = ""
 
 
 class Error(_Model):

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 from fastapi import Body, FastAPI, Path as PathParam, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ._exceptions import CoordinatorError
 from ._state import CoordinatorState, StateConfig
@@ -36,6 +36,7 @@ from ._wire import (
     RegisterReplica,
     RegisterWorker,
     Report,
+    ReportChunks,
     Resolve,
     Unpublish,
 )
@@ -110,8 +111,48 @@ class Coordinator:
         self.store.close()
 
 
+class _Guard:
+    """Token check and body limit before routing, as plain ASGI middleware (Starlette's
+    ``@app.middleware("http")`` costs several times more per request)."""
+
+    def __init__(self, app: Any, expected: Optional[bytes]) -> None:
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        auth = length = chunked = None
+        for k, v in scope["headers"]:
+            if k == b"authorization" and auth is None:
+                auth = v
+            elif k == b"content-length" and length is None:
+                length = v
+            elif k == b"transfer-encoding":
+                chunked = v
+        refuse = None
+        if self.expected is not None and scope["path"] != "/healthz":
+            if not hmac.compare_digest(auth or b"", self.expected):
+                refuse = JSONResponse({"code": "unauthorized", "detail": "missing or wrong token"}, 401,
+                                      headers={"WWW-Authenticate": "Bearer"})
+        if refuse is None and length is not None:
+            if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+                refuse = JSONResponse(
+                    {"code": "too_large", "detail": f"request body over {MAX_BODY_BYTES} bytes"}, 413
+                )
+        elif refuse is None and chunked and scope["method"] in ("POST", "PUT", "PATCH"):
+            refuse = JSONResponse({"code": "length_required", "detail": "send Content-Length"}, 411)
+        if refuse is not None:
+            return await refuse(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
-    """The FastAPI application serving ``coord``."""
+    """The FastAPI application serving ``coord``.
+
+    Routes that only touch soft state (workers, replicas, leases) are ``async``: they run
+    on the event loop and hold the lock for microseconds. Routes that may commit to SQLite
+    (allocate, register a replica) or build large answers (status) stay plain functions,
+    which FastAPI runs on its thread pool."""
     app = FastAPI(
         title="TensorHub coordinator",
         version="1",
@@ -119,22 +160,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     )
     expected = f"Bearer {token}".encode() if token else None
 
-    @app.middleware("http")
-    async def _auth_and_limits(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if expected is not None and request.url.path != "/healthz":
-            got = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
-                return JSONResponse({"code": "unauthorized", "detail": "missing or wrong token"}, 401,
-                                    headers={"WWW-Authenticate": "Bearer"})
-        length = request.headers.get("content-length")
-        if length is not None:
-            if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-                return JSONResponse(
-                    {"code": "too_large", "detail": f"request body over {MAX_BODY_BYTES} bytes"}, 413
-                )
-        elif request.method in ("POST", "PUT", "PATCH") and request.headers.get("transfer-encoding"):
-            return JSONResponse({"code": "length_required", "detail": "send Content-Length"}, 411)
-        return await call_next(request)
+    app.add_middleware(_Guard, expected=expected)
 
     @app.exception_handler(CoordinatorError)
     async def _coordinator_error(request: Request, exc: CoordinatorError) -> JSONResponse:
@@ -153,28 +179,28 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     st = lambda: coord.state  # noqa: E731 - the state object is replaced on reload
 
     @app.get("/healthz")
-    def healthz() -> dict:
+    async def healthz() -> dict:
         return {"ok": True, "epoch": coord.state.epoch}
 
     @app.get("/v1/info")
-    def info() -> dict:
+    async def info() -> dict:
         c = coord.config
         return {"epoch": coord.state.epoch, "time": coord.clock(), "lease_ttl": c.lease_ttl,
                 "worker_ttl": c.worker_ttl, "suspect_ttl": c.suspect_ttl, "max_body_bytes": MAX_BODY_BYTES}
 
     @app.post("/v1/workers")
-    def register_worker(req: RegisterWorker) -> dict:
+    async def register_worker(req: RegisterWorker) -> dict:
         coord.call(lambda now: st().register_worker(now, req.worker_id, req.endpoint, req.locality))
         return {"epoch": coord.state.epoch, "worker_ttl": coord.config.worker_ttl,
                 "lease_ttl": coord.config.lease_ttl}
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
-    def heartbeat(worker_id: str = _id()) -> dict:
+    async def heartbeat(worker_id: str = _id()) -> dict:
         coord.call(lambda now: st().heartbeat(now, worker_id))
         return {"epoch": coord.state.epoch}
 
     @app.delete("/v1/workers/{worker_id}")
-    def remove_worker(worker_id: str = _id()) -> dict:
+    async def remove_worker(worker_id: str = _id()) -> dict:
         n = coord.call(lambda now: st().remove_worker(now, worker_id))
         return {"replicas_dropped": n}
 
@@ -205,7 +231,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
             await asyncio.sleep(0.05)
 
     @app.post("/v1/models/{model}/resolve")
-    def resolve(model: str = _model(), req: Resolve = Body(default=Resolve())) -> dict:
+    async def resolve(model: str = _model(), req: Resolve = Body(default=Resolve())) -> dict:
         return {"version": coord.call(lambda now: st().resolve(now, model, req.group, req.newer_than))}
 
     @app.post("/v1/replicas")
@@ -214,26 +240,35 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
         return {"replica_id": rid, "complete": complete}
 
     @app.post("/v1/models/{model}/versions/{version}/unpublish")
-    def unpublish(req: Unpublish, model: str = _model(), version: int = _version()) -> dict:
-        drained, open_ = coord.call(lambda now: st().unpublish(now, req.worker_id, model, version))
+    async def unpublish(req: Unpublish, model: str = _model(), version: int = _version()) -> dict:
+        drained, open_ = coord.call(lambda now: st().unpublish(now, req.worker_id, model, version,
+                                                                 req.replica_ids))
         return {"drained": drained, "open_leases": open_}
 
     @app.post("/v1/replicas/{replica_id}/report")
-    def report(req: Report, replica_id: str = _id()) -> dict:
+    async def report(req: Report, replica_id: str = _id()) -> dict:
         coord.call(lambda now: st().report(now, replica_id, req.worker_id, req.reason))
         logger.warning("replica %s reported failing by %s: %s", replica_id, req.worker_id, req.reason)
         return {}
 
+    @app.post("/v1/replicas/{replica_id}/chunks")
+    async def report_chunks(req: ReportChunks, replica_id: str = _id()) -> dict:
+        """A partial replica's holder: these chunks are complete in its memory."""
+        return {"held": coord.call(lambda now: st().add_chunks(now, replica_id, req.worker_id, req.chunks,
+                                                                          req.lease_ids))}
+
     @app.post("/v1/leases", response_model=LeaseGrant)
-    def acquire(req: AcquireLease) -> LeaseGrant:
-        return coord.call(lambda now: st().acquire_lease(now, req))
+    async def acquire(req: AcquireLease) -> Response:
+        grant = coord.call(lambda now: st().acquire_lease(now, req))
+        # Already a validated LeaseGrant: serialize once (response_model would re-validate it).
+        return Response(grant.model_dump_json(), media_type="application/json")
 
     @app.post("/v1/leases/{lease_id}/renew")
-    def renew(lease_id: str = _id()) -> dict:
+    async def renew(lease_id: str = _id()) -> dict:
         return {"ttl": coord.call(lambda now: st().renew_lease(now, lease_id))}
 
     @app.post("/v1/leases/{lease_id}/release")
-    def release(lease_id: str = _id()) -> dict:
+    async def release(lease_id: str = _id()) -> dict:
         return {"valid": coord.call(lambda now: st().release_lease(now, lease_id))}
 
     @app.get("/v1/status")

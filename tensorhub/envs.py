@@ -34,6 +34,38 @@ def _float(name: str, default: float) -> Callable[[], float]:
     return get
 
 
+def _bool(name: str, default: bool) -> Callable[[], bool]:
+    def get() -> bool:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        from ._exceptions import ConfigError
+
+        raise ConfigError(f"{name}={raw!r} is not a boolean (1/0)")
+
+    return get
+
+
+def _bool(name: str, default: bool) -> Callable[[], bool]:
+    def get() -> bool:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        from ._exceptions import ConfigError
+
+        raise ConfigError(f"{name}={raw!r} is not a boolean (1/0, true/false)")
+
+    return get
+
+
 def _int(name: str, default: int) -> Callable[[], int]:
     f = _float(name, float(default))
     return lambda: int(f())
@@ -85,6 +117,15 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "TENSORHUB_CHUNK_BYTES": (
         _int("TENSORHUB_CHUNK_BYTES", 64 << 20),
         "Bytes per read chunk (the unit of striping and of failover), at most 1 GiB.",
+    ),
+    "TENSORHUB_PIPELINED": (
+        _bool("TENSORHUB_PIPELINED", True),
+        "Pipelined replication: fetch from readers still receiving, serve while receiving, "
+        "one reader per datacenter crosses to another (1/0).",
+    ),
+    "TENSORHUB_RETAIN_ON_CPU": (
+        _bool("TENSORHUB_RETAIN_ON_CPU", False),
+        "When unpublishing the last replica of the newest version, first keep serving a CPU copy.",
     ),
     "TENSORHUB_STRIPE": (
         _int("TENSORHUB_STRIPE", 4),

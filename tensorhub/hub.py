@@ -132,7 +132,9 @@ class Hub:
                  locality: Optional[Locality | str | Mapping[str, str]] = None, token: Optional[str] = None,
                  transport: Optional[Transport] = None, heartbeat_interval: Optional[float] = None,
                  progress_timeout: Optional[float] = None, chunk_bytes: Optional[int] = None,
-                 max_sources: Optional[int] = None, fetch_timeout: float = 600.0) -> None:
+                 max_sources: Optional[int] = None, fetch_timeout: float = 600.0,
+                 retain_on_cpu: Optional[bool] = None,
+                 pipelined: Optional[bool] = None) -> None:
         url = envs.pick(url, "TENSORHUB_COORDINATOR")
         if not url:
             raise ConfigError("no coordinator URL: pass one or set TENSORHUB_COORDINATOR")
@@ -150,7 +152,10 @@ class Hub:
         self.progress_timeout = float(envs.pick(progress_timeout, "TENSORHUB_PROGRESS_TIMEOUT"))
         self.chunk_bytes = int(envs.pick(chunk_bytes, "TENSORHUB_CHUNK_BYTES"))
         self.max_sources = int(envs.pick(max_sources, "TENSORHUB_STRIPE"))
+        #: Read from readers still receiving, serve while receiving, seed across datacenters.
+        self.pipelined = bool(envs.pick(pipelined, "TENSORHUB_PIPELINED"))
         self.fetch_timeout = fetch_timeout
+        self.retain_on_cpu = bool(envs.pick(retain_on_cpu, "TENSORHUB_RETAIN_ON_CPU"))
         self._transport = transport
         self._transport_started = False
         self._api: Optional[CoordinatorClient] = None
@@ -310,29 +315,38 @@ class Hub:
                     model, key_version, layout, shard, num_shards, len(addrs), manifest.nbytes / 1e6)
         return key_version
 
-    def unpublish(self, model: str, version: int, *, timeout: Optional[float] = None) -> None:
+    def unpublish(self, model: str, version: int, *, timeout: Optional[float] = None,
+                  retain_on_cpu: Optional[bool] = None) -> None:
         """Stop serving ``model`` v``version``; return once no reader holds a lease on it.
 
         After it returns the caller may overwrite or free those tensors. If this worker holds
-        the last replica of the newest complete version, waits (up to ``timeout``) for another
-        holder, then raises RetentionError; if readers do not drain in time, raises
-        HubTimeoutError and the bytes must stay untouched."""
+        the last replica of the newest complete version (retention), then with
+        ``retain_on_cpu`` (default: the Hub's setting) it first copies the bytes into CPU
+        memory it keeps serving from; without it, it waits (up to ``timeout``) for another
+        holder, then raises RetentionError. If readers do not drain in time it raises
+        HubTimeoutError, and the bytes must stay untouched."""
+        retain = self.retain_on_cpu if retain_on_cpu is None else retain_on_cpu
         with self._lock:
             mine = [h for k, h in self._held.items() if k[0] == model and k[1] == version]
         if not mine:
             raise NotFoundError(404, f"this hub holds no replica of {model!r} v{version}", "not_held")
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.02
+        body: dict[str, Any] = {"worker_id": self.worker_id}
+        copies: list[_Held] = []
         while True:
             try:
-                r = self._as_worker(f"/v1/models/{model}/versions/{version}/unpublish",
-                                    {"worker_id": self.worker_id})
+                r = self._as_worker(f"/v1/models/{model}/versions/{version}/unpublish", body)
                 if r["drained"]:
                     break
                 why: TensorHubError = HubTimeoutError(
                     f"unpublish {model!r} v{version}: {r['open_leases']} reader lease(s) still open; "
                     "the tensors must stay untouched")
             except RetentionError as e:
+                if retain and not copies:
+                    copies = [self._retain_copy(h) for h in mine]
+                    body["replica_ids"] = [h.replica_id for h in mine]
+                    continue
                 why = e
             if deadline is not None and time.monotonic() >= deadline:
                 raise why
@@ -343,7 +357,29 @@ class Hub:
             for h in mine:
                 self._held.pop((h.model, h.version, h.layout, h.shard), None)
                 self._unregister_regions(transport, h.regions)
-        logger.info("unpublished %s v%d", model, version)
+            for c in copies:
+                self._held[(c.model, c.version, c.layout, c.shard)] = c
+        logger.info("unpublished %s v%d%s", model, version, " (kept serving a CPU copy)" if copies else "")
+
+    def _retain_copy(self, h: _Held) -> _Held:
+        """Copy a held shard into new CPU memory and register the copy as a replica."""
+        buf, out = allocate_like(h.manifest, device="cpu")
+        for name, t in h.tensors.items():
+            out[name].copy_(t)
+        local = [out[s.name].data_ptr() for s in h.manifest.tensors]
+        regions = coalesce([(a, s.nbytes) for a, s in zip(local, h.manifest.tensors)])
+        transport = self._ensure_transport()
+        self._register_regions(transport, regions)
+        c = _Held(h.model, h.version, h.layout, h.shard, h.num_shards, h.manifest, local, regions, out,
+                  extra=[buf])
+        try:
+            c.replica_id = self._register_replica(c)
+        except BaseException:
+            self._unregister_regions(transport, regions)
+            raise
+        logger.warning("%s v%d is the newest version and this is its last holder: serving a %.1f MB CPU "
+                       "copy (retain_on_cpu)", h.model, h.version, h.manifest.nbytes / 1e6)
+        return c
 
     @staticmethod
     def _register_regions(transport: Transport, regions: list[tuple[int, int]]) -> None:
@@ -420,6 +456,10 @@ class Hub:
                 into[name].copy_(t)
             return self._fetched(dict(into), version, layout, shard, held.manifest.nbytes, 0.0,
                                  {self.worker_id: held.manifest.nbytes}, [])
+        if self.pipelined:
+            from ._pipeline import fetch_pipelined
+
+            return fetch_pipelined(self, model, version, layout, shard, into, serve, deadline)
         transport = self._ensure_transport()
         leases: list[str] = []
         grant = self._acquire(model, version, layout, shard, set(), deadline)

@@ -205,3 +205,25 @@ def test_fetch_refuses_to_overwrite_memory_still_served(connect):
     other = {k: torch.zeros_like(t) for k, t in mine.items()}
     got = r.fetch("m", v2, into=other)
     assert same(other, weights(14)) and got.sources == {"r": got.nbytes}
+
+
+def test_retention_unpublishing_every_holder_in_turn(connect):
+    """The newest version keeps a replica while every holder unpublishes in turn: the
+    last one either waits for another holder or hands the bytes to a CPU copy."""
+    w = weights(15)
+    pub, a, b = connect("pub"), connect("a"), connect("b", retain_on_cpu=True)
+    v = pub.publish("m", w)
+    mine_a = a.fetch("m", v)
+    mine_b = b.fetch("m", v)
+    pub.unpublish("m", v)
+    a.unpublish("m", v)
+    for t in mine_a.values():
+        t.zero_()  # a reuses its memory
+    with pytest.raises(tensorhub.RetentionError):
+        b.unpublish("m", v, timeout=0.2, retain_on_cpu=False)  # configured to wait: refused
+    b.unpublish("m", v)  # configured retain_on_cpu: hands the bytes to a CPU copy first
+    for t in mine_b.values():
+        t.fill_(7.0)  # b reuses its memory too
+    assert b.held() == [("m", v, "hf", 0)]  # ... but still serves v from the copy
+    got = connect("c").fetch("m", v, serve=False)
+    assert same(got, w) and got.sources == {"b": got.nbytes}
