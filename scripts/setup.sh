@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Set up a virtual environment in .venv with TensorHub (CPU / TCP data plane) and its
-# test tools. Idempotent; safe to run again. Needs root (or sudo) once for libibverbs1.
+# test tools. Idempotent; safe to run again. Needs root (or sudo) once for apt packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
-  echo "installing Debian's libibverbs1 (Mooncake's wheel links it even for TCP)"
+# System packages: libibverbs1 (Mooncake's wheel links it even for TCP) and iproute2
+# (ip/tc, for the fault and topology tests that build network namespaces).
+need=()
+ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || need+=(libibverbs1)
+command -v tc >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 || need+=(iproute2)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing Debian packages: ${need[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
 PY=${PYTHON:-python3}

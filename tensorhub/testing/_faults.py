@@ -33,12 +33,20 @@ class Trigger:
     """A pending fault: ``fired`` is set when the action ran (``error`` if it raised)."""
 
     fired: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
     fired_at: float = 0.0
     thread: Optional[threading.Thread] = None
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         return self.fired.wait(timeout)
+
+    def cancel(self) -> bool:
+        """Stop waiting; True if the action had not fired (and now never will)."""
+        self.cancelled.set()
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        return not self.fired.is_set()
 
 
 class Faults:
@@ -133,16 +141,22 @@ class Faults:
             end = time.monotonic() + timeout
             try:
                 with httpx.Client(base_url=self.url, headers=headers, timeout=5) as c:
-                    while time.monotonic() < end:
-                        if self._reading(c.get("/v1/status").json(), reader_worker, source_worker):
-                            time.sleep(delay)
+                    while time.monotonic() < end and not trig.cancelled.is_set():
+                        try:
+                            reading = self._reading(c.get("/v1/status").json(), reader_worker, source_worker)
+                        except httpx.HTTPError:
+                            reading = False  # the coordinator may be down: keep watching
+                        if reading:
+                            if trig.cancelled.wait(delay):
+                                return
                             action()
                             trig.fired_at = time.monotonic()
                             self._note(f"fired during read by {reader_worker} after {delay:.3f}s")
                             trig.fired.set()
                             return
                         time.sleep(0.003)
-                raise TimeoutError(f"{reader_worker} never started reading within {timeout}s")
+                if not trig.cancelled.is_set():
+                    raise TimeoutError(f"{reader_worker} never started reading within {timeout}s")
             except BaseException as e:  # surfaced through the trigger
                 trig.error = e
 

@@ -103,7 +103,7 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
     import tensorhub
     from tensorhub.transport import MooncakeTransport
 
-    transport = MooncakeTransport(host=data_host)
+    transport = MooncakeTransport(host=data_host, progress_timeout=options.get("progress_timeout"))
     if gate is not None:
         transport.start()
         gated = _Gated(transport, first_done, gate)
@@ -142,7 +142,7 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                 t0 = time.monotonic()
                 try:
                     f = hub.fetch(MODEL, kw.get("version"), serve=kw.get("serve", True), into=into,
-                                  timeout=kw.get("timeout"))
+                                  timeout=kw.get("fetch_timeout"))
                 except Exception as e:
                     e.args = (f"{e} (after {time.monotonic() - t0:.2f}s)",)
                     raise
@@ -151,7 +151,7 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                                   "seconds": f.seconds}))
             elif cmd == "unpublish":
                 t0 = time.monotonic()
-                hub.unpublish(MODEL, kw["version"], timeout=kw.get("timeout"))
+                hub.unpublish(MODEL, kw["version"], timeout=kw.get("drain_timeout"))
                 waited = time.monotonic() - t0
                 for t in published.pop(kw["version"], {}).values():
                     t.zero_()  # reuse the memory, as a trainer would
