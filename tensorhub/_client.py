@@ -7,12 +7,15 @@ seconds (a coordinator restart looks like that); 4xx answers are not retried.
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from typing import Any, Optional
 
 import httpx
 
+from . import envs
 from ._exceptions import (
+    ConfigError,
     ConflictError,
     CoordinatorError,
     CoordinatorUnavailableError,
@@ -43,14 +46,48 @@ def error_from_response(resp: httpx.Response) -> CoordinatorError:
     return cls(resp.status_code, detail, code)
 
 
+def tls_verify(ca_file: Optional[str] = None, verify: bool = True) -> Any:
+    """What httpx's ``verify`` gets for an https coordinator: an SSL context trusting
+    ``ca_file`` (argument > ``TENSORHUB_CA_FILE``), else the system's CAs; ``False`` when
+    ``verify`` is false (no check at all: tests only)."""
+    if not verify:
+        return False
+    ca_file = envs.pick(ca_file, "TENSORHUB_CA_FILE")
+    if not ca_file:
+        return True
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"cannot use CA file {ca_file!r}: {e}") from None
+
+
+def _tls_failure(e: BaseException) -> bool:
+    """Is a failed certificate check (or https to a plain-http port) in ``e``'s causes?
+    Other SSL errors (a peer that died mid-handshake) stay retryable."""
+    seen: Optional[BaseException] = e
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLCertVerificationError) or (
+            isinstance(seen, ssl.SSLError) and getattr(seen, "reason", None) == "WRONG_VERSION_NUMBER"
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class CoordinatorClient:
-    """One per Hub; thread-safe (httpx.Client is)."""
+    """One per Hub; thread-safe (httpx.Client is).
+
+    ``ca_file``: PEM CA bundle that signed an https coordinator's certificate (default
+    ``TENSORHUB_CA_FILE``, else the system's CAs); ``verify=False`` turns checking off."""
 
     def __init__(self, url: str, token: Optional[str] = None, *, timeout: float = 30.0,
-                 retry_timeout: float = 60.0, verify: Any = True) -> None:
+                 retry_timeout: float = 60.0, verify: bool = True, ca_file: Optional[str] = None) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, verify=verify)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
+                                  verify=tls_verify(ca_file, verify))
         self.retry_timeout = retry_timeout
 
     def close(self) -> None:
@@ -68,6 +105,11 @@ class CoordinatorClient:
                     kw["timeout"] = timeout
                 resp = self._http.request(method, path, **kw)
             except httpx.TransportError as e:
+                if _tls_failure(e):  # permanent: retrying cannot help
+                    raise CoordinatorUnavailableError(
+                        0, f"TLS handshake with {self.url} failed ({e}); pass ca_file= / --ca-file or set "
+                        "TENSORHUB_CA_FILE to the CA that signed the coordinator's certificate", "tls",
+                    ) from None
                 problem: str = f"{type(e).__name__}: {e}"
             else:
                 if resp.status_code < 400:

@@ -29,7 +29,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     from .coordinator import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = StateConfig(lease_ttl=args.lease_ttl, worker_ttl=args.worker_ttl)
+    config = StateConfig(lease_ttl=args.lease_ttl, worker_ttl=args.worker_ttl, policy=args.planner)
 
     def ready(url: str) -> None:
         print(f"tensorhub coordinator serving on {url}", flush=True)
@@ -96,7 +96,7 @@ def _status(args: argparse.Namespace) -> int:
     if not url:
         raise ConfigError("no coordinator URL: pass --coordinator or set TENSORHUB_COORDINATOR")
     token = _read_token(args.token_file) if args.token_file else envs.TENSORHUB_TOKEN
-    api = CoordinatorClient(url, token, retry_timeout=5.0)
+    api = CoordinatorClient(url, token, retry_timeout=5.0, ca_file=args.ca_file)
     try:
         st = api.get("/v1/status")
     finally:
@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--state-dir", required=True, help="directory of the durable SQLite state")
     c.add_argument("--token-file", help="file holding the API token; every endpoint but /healthz needs it")
     c.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a read lease lasts unrenewed")
+    c.add_argument("--planner", choices=["topology", "single-source"], default="topology",
+                   help="source choice: topology-aware (default), or the benchmarks' single-source baseline")
     c.add_argument("--worker-ttl", type=float, default=10.0,
                    help="seconds without heartbeat after which a worker's replicas are dropped")
     c.add_argument("--ssl-certfile", help="serve HTTPS with this certificate")
@@ -125,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="show models, versions, replicas and leases")
     s.add_argument("--coordinator", help="coordinator URL (default: $TENSORHUB_COORDINATOR)")
     s.add_argument("--token-file", help="file holding the API token (default: $TENSORHUB_TOKEN)")
+    s.add_argument("--ca-file", help="CA (or self-signed certificate, PEM) of an https coordinator "
+                   "(default: $TENSORHUB_CA_FILE, else the system's CAs)")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
     s.set_defaults(fn=_status)
     return p

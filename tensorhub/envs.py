@@ -81,6 +81,11 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _str("TENSORHUB_TOKEN", None),
         "Shared API token sent as 'Authorization: Bearer <token>'. Never logged.",
     ),
+    "TENSORHUB_CA_FILE": (
+        _str("TENSORHUB_CA_FILE", None),
+        "PEM file of the CA (or self-signed certificate) that signed an https coordinator's "
+        "certificate. Default: the system's trusted CAs.",
+    ),
     "TENSORHUB_WORKER_ID": (
         _str("TENSORHUB_WORKER_ID", None),
         "Worker id; default <hostname>-<pid>-<random>.",
@@ -95,8 +100,9 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "TENSORHUB_DATA_HOST": (
         _str("TENSORHUB_DATA_HOST", None),
-        "Address the data plane binds and advertises. Default: 127.0.0.1 when the "
-        "coordinator is on loopback, else the local address of the route to it.",
+        "Address the data plane advertises to readers (and, on RDMA, its NIC). Default: "
+        "127.0.0.1 when the coordinator is on loopback, else the local address of the route "
+        "to it. Mooncake's ports still listen on all interfaces: see SECURITY.md.",
     ),
     "TENSORHUB_MOONCAKE_PROTOCOL": (
         _str("TENSORHUB_MOONCAKE_PROTOCOL", "tcp"),

@@ -134,7 +134,7 @@ class Hub:
                  progress_timeout: Optional[float] = None, chunk_bytes: Optional[int] = None,
                  max_sources: Optional[int] = None, fetch_timeout: float = 600.0,
                  retain_on_cpu: Optional[bool] = None,
-                 pipelined: Optional[bool] = None) -> None:
+                 pipelined: Optional[bool] = None, ca_file: Optional[str] = None) -> None:
         url = envs.pick(url, "TENSORHUB_COORDINATOR")
         if not url:
             raise ConfigError("no coordinator URL: pass one or set TENSORHUB_COORDINATOR")
@@ -148,6 +148,8 @@ class Hub:
         else:
             self.locality = parse_locality(envs.pick(locality, "TENSORHUB_LOCALITY"))
         self._token = envs.pick(token, "TENSORHUB_TOKEN")
+        #: CA bundle for an https coordinator (argument > TENSORHUB_CA_FILE > system CAs).
+        self._ca_file = envs.pick(ca_file, "TENSORHUB_CA_FILE")
         self.heartbeat_interval = float(envs.pick(heartbeat_interval, "TENSORHUB_HEARTBEAT_INTERVAL"))
         self.progress_timeout = float(envs.pick(progress_timeout, "TENSORHUB_PROGRESS_TIMEOUT"))
         self.chunk_bytes = int(envs.pick(chunk_bytes, "TENSORHUB_CHUNK_BYTES"))
@@ -171,7 +173,7 @@ class Hub:
     def connect(self) -> "Hub":
         """Register with the coordinator and start heart-beating. Called by ``tensorhub.connect``."""
         self._check_open()
-        self._api = CoordinatorClient(self.url, self._token)
+        self._api = CoordinatorClient(self.url, self._token, ca_file=self._ca_file)
         self._register_worker()
         self._hb = threading.Thread(target=self._heartbeat_loop, name=f"tensorhub-hb-{self.worker_id}", daemon=True)
         self._hb.start()

@@ -66,6 +66,14 @@ def test_healthz_openapi_and_happy_path(api):
     ([spec(nbytes=15)], "nbytes 15 != 4 elements"),
     ([spec(), spec()], "duplicate tensor name"),
     ([spec(shape=(1,) * 17, nbytes=4)], "shape"),
+    ([spec(shape=(-4,), nbytes=16)], "shape"),
+    ([spec(nbytes=2**64)], "nbytes"),
+    ([spec(shape=(2**62,), dtype="int64", nbytes=2**65)], "nbytes"),
+    ([spec(name=f"t{i}", shape=(2**47,), dtype="int8", nbytes=2**47) for i in range(9)], "larger than 1 PiB"),
+    ([spec(name="")], "name"),
+    ([spec(name="tab\tname")], "name"),
+    ([spec(dtype="torch.float32")], "unknown dtype"),
+    ([spec(shape=(4.5,))], "shape"),
 ])
 def test_malformed_manifests_are_refused_with_4xx_and_a_message(api, tensors, needle):
     api.post("/v1/models/m/versions", json={})

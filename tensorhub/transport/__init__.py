@@ -34,11 +34,12 @@ def create_transport(
     """Build an unstarted transport; call ``start()`` on it.
 
     ``kind`` is ``"mooncake"`` or ``"memory"`` (default: ``TENSORHUB_TRANSPORT``,
-    else ``"mooncake"``). ``host`` is the address the Mooncake engine binds and
-    advertises (default: ``TENSORHUB_DATA_HOST``, else ``127.0.0.1``); the memory
-    transport ignores it. ``progress_timeout`` is the seconds a read may make no
-    progress before its source counts as hung (Mooncake default:
-    ``TENSORHUB_PROGRESS_TIMEOUT``; memory default: wait until resumed).
+    else ``"mooncake"``). ``host`` is the address the Mooncake engine advertises
+    (default: ``TENSORHUB_DATA_HOST``, else ``127.0.0.1``); Mooncake's sockets still
+    listen on all interfaces (SECURITY.md); the memory transport ignores it.
+    ``progress_timeout`` is the seconds a read may make no progress before its source
+    counts as hung (Mooncake default: ``TENSORHUB_PROGRESS_TIMEOUT``; memory default:
+    wait until resumed).
     """
     raw = envs.pick(kind, "TENSORHUB_TRANSPORT")
     name = (raw or "").strip().lower()

@@ -1,0 +1,38 @@
+"""The load benchmark, shortened: a real coordinator process answers every heartbeat and
+lease of a few hundred simulated workers without an error. No timing assertions here; the
+figures come from ``python benchmarks/bench_load.py`` (2,000 workers, 200 leases/s)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _bench():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_load.py"
+    spec = importlib.util.spec_from_file_location("bench_load", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_load"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_coordinator_answers_everything_under_a_short_load():
+    bench = _bench()
+    out = bench.run(workers=200, holders=40, models=2, tensors=4, seconds=3.0, heartbeat=1.0,
+                    lease_rate=20.0, connections=4)
+    print(bench.report(out))
+    assert out["errors"] == 0, out
+    assert out["setup_errors"] == 0
+    assert out["coordinator_alive"] and out["alive_after"]
+    k = out["kinds"]
+    assert k["register"]["ok"] == 200
+    assert k["publish"]["ok"] == 2 + 40  # versions + replicas
+    assert k["heartbeat"]["ok"] == out["sent"]["heartbeat"] > 0
+    assert k["acquire"]["ok"] == k["release"]["ok"] == out["sent"]["lease"] > 0
+    assert out["bytes_per_replica"] > 0
