@@ -65,9 +65,16 @@ class Coordinator:
     """A ``tensorhub coordinator`` process on a free port (kept here, not imported from the
     core's test helpers, so the engine tests depend only on the public CLI)."""
 
-    def __init__(self, state_dir: Path) -> None:
-        cmd = [sys.executable, "-m", "tensorhub", "coordinator", "--host", "127.0.0.1", "--port", "0",
-               "--state-dir", str(state_dir), "--log-level", "warning"]
+    def __init__(self, state_dir: Path, token_file: Optional[Path] = None) -> None:
+        self.state_dir, self.token_file, self.port = state_dir, token_file, 0
+        self.start()
+
+    def start(self) -> None:
+        """Start (again, on the same port and state after the first time)."""
+        cmd = [sys.executable, "-m", "tensorhub", "coordinator", "--host", "127.0.0.1", "--port", str(self.port),
+               "--state-dir", str(self.state_dir), "--log-level", "warning"]
+        if self.token_file is not None:
+            cmd += ["--token-file", str(self.token_file)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=engine_env())
         line = ""
         deadline = time.monotonic() + 30
@@ -79,6 +86,12 @@ class Coordinator:
             self.stop()
             raise RuntimeError(f"coordinator did not start: {line!r}")
         self.url = line.split("serving on", 1)[1].strip()
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -117,6 +130,7 @@ class OfflineEngine:
                 raise EngineError(f"engine exited (rc {self.proc.poll()}); log {self.log_path}:\n{self.log_tail()}")
             if line.startswith("@@"):
                 return json.loads(line[2:])
+            self._log.write(line)  # vLLM logs to stdout
         raise EngineError("engine did not answer in time")
 
     def call(self, op: str, timeout: float = 240, **kw: Any) -> Any:
@@ -198,3 +212,34 @@ class ServerEngine:
                 self.proc.kill()
                 self.proc.wait(30)
         self._log.close()
+
+
+_PUBLISHER = r"""
+import sys, time
+sys.path.insert(0, sys.argv[3])
+import tensorhub
+from _tiny import make_weights
+hub = tensorhub.connect(sys.argv[1], worker_id=sys.argv[4])
+w = make_weights(int(sys.argv[2]))
+print("@@", hub.publish("policy", w), flush=True)
+time.sleep(3600)
+"""
+
+
+class Publisher:
+    """A trainer process that publishes ``make_weights(seed)`` as a new version and holds it
+    until killed (``kill()`` sends SIGKILL)."""
+
+    def __init__(self, url: str, seed: int, worker_id: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _PUBLISHER, url, str(seed), str(HERE), worker_id],
+                                     stdout=subprocess.PIPE, text=True, env=engine_env())
+        line = self.proc.stdout.readline()
+        if not line.startswith("@@"):
+            self.kill()
+            raise RuntimeError(f"publisher failed: {line!r}")
+        self.version = int(line.split()[1])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)

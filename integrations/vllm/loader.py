@@ -1,0 +1,110 @@
+"""``--load-format tensorhub``: start a vLLM engine from the weights its peers hold.
+
+Runs in every vLLM worker process (one per TP/PP rank), inside vLLM's ``get_model``:
+
+1. ``load_weights`` (before ``process_weights_after_loading``): connect to the coordinator,
+   resolve the version (TP rank 0 decides, the group follows), fetch it in the ``hf``
+   layout and stream it through ``model.load_weights`` in buckets of at most
+   ``bucket_bytes``, cut at layer boundaries. With no complete version, ``on_missing``
+   decides: ``disk`` reads ``--model DIR``'s safetensors (and publishes them afterwards),
+   ``wait`` waits for one, ``error`` stops the start with one line naming the setting.
+2. ``load_model`` (after ``process_weights_after_loading``): the serving rank(s) register
+   the ``hf`` copy with the coordinator (a fetched copy is already registered by the fetch;
+   a disk copy is published as a new version, which the other ranks then learn).
+
+Engine-native layouts (raw parameter bytes under a layout fingerprint) are not used:
+on CPU vLLM prepacks linear weights and leaves the parameters empty, so only the ``hf``
+copy is servable there (see ``_runtime`` for its memory cost).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from typing import Any, Optional
+
+from ._settings import Settings, SettingsError
+from . import _runtime
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["make_loader_class"]
+
+
+def _read_disk(model_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise SettingsError(f"tensorhub: setting 'on_missing'='disk': no *.safetensors in {model_dir}")
+    out: dict = {}
+    for f in files:
+        out.update(load_file(f))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def make_loader_class() -> type:
+    """Build the loader class (vLLM is imported here, not at module import)."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    class TensorHubModelLoader(BaseModelLoader):
+        """vLLM model loader for ``--load-format tensorhub``; see the module docstring."""
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            extra = load_config.model_loader_extra_config
+            if not isinstance(extra, dict):
+                raise SettingsError("tensorhub: --model-loader-extra-config must be a JSON object")
+            self.settings = Settings.from_config(extra)
+            self._pending_disk: Optional[dict] = None
+
+        def download_model(self, model_config: Any) -> None:
+            """Nothing to download: the weights come from peers."""
+
+        def load_weights(self, model: Any, model_config: Any) -> None:
+            try:
+                self._load(model, model_config)
+            except SettingsError as e:
+                logger.error("%s", e)  # the one line; vLLM's traceback follows
+                raise
+            except Exception as e:
+                logger.error("tensorhub: loading %r from peers failed: %s", self.settings.model, e)
+                raise
+
+        def _load(self, model: Any, model_config: Any) -> None:
+            s = self.settings
+            st = _runtime.connect(s)
+            v = _runtime.resolve(st, s.version, on_missing=s.on_missing)
+            if v is None:
+                tensors = _read_disk(model_config.model)
+                self._pending_disk = tensors
+                _runtime.load_into(model, tensors, s.bucket_bytes)
+                return
+            got = _runtime.fetch(st, v)
+            _runtime.load_into(model, got, s.bucket_bytes)
+            st.version, st.specs = v, _runtime.specs_of(got)
+            st.copy = got if st.serving else None
+
+        def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+            model = super().load_model(vllm_config, model_config, prefix)
+            st = _runtime.get_state()
+            if st is None:
+                return model
+            if self._pending_disk is not None:  # publish what we read from disk, as a new version
+                tensors, self._pending_disk = self._pending_disk, None
+                v = None
+                if st.rank == 0:
+                    v = st.hub.publish(self.settings.model, tensors, layout="hf")
+                    logger.info("tensorhub: published the weight files of %s as %s v%d",
+                                model_config.model, self.settings.model, v)
+                v = _runtime.broadcast(v)
+                if st.rank != 0 and st.serving:
+                    st.hub.publish(self.settings.model, tensors, version=v, layout="hf")
+                st.version, st.specs = v, _runtime.specs_of(tensors)
+                st.copy = tensors if st.serving else None
+            logger.info("tensorhub: engine worker (tp rank %d) runs %s v%s%s", st.rank, self.settings.model,
+                        st.version, " and serves its hf copy" if st.serving else "")
+            return model
+
+    return TensorHubModelLoader

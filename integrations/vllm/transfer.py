@@ -1,0 +1,186 @@
+"""``--weight-transfer-config '{"backend": "tensorhub"}'``: hot-swap through vLLM's RL API.
+
+The trainer (or ``tensorhub follow``) drives vLLM's own calls; every worker process runs
+this engine:
+
+* ``init_weight_transfer_engine({"init_info": {...}})``: optional ``coordinator``,
+  ``model``, ``token`` (defaults: the ``--model-loader-extra-config`` of a
+  ``--load-format tensorhub`` engine, then ``TENSORHUB_*``). Connects (or reuses the
+  loader's connection).
+* ``start_weight_update()``: nothing to prepare (the fetch happens before anything in
+  the model changes).
+* ``update_weights({"update_info": {"version": N}})`` (``N`` or ``"latest"``; every TP
+  rank uses rank 0's answer): fetch N in the ``hf`` layout into new memory; check names,
+  shapes, dtypes against the running version; only then apply it with vLLM's layerwise
+  reload (``model.load_weights`` in buckets). A failed fetch raises and leaves the old
+  weights serving. The serving rank(s) are replicas of N from the fetch on; afterwards
+  they unpublish the old version (waiting for its readers) and free it.
+* ``finish_weight_update(weight_version="N")``: nothing left to do here; vLLM records the
+  version that ``/weight_info`` reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from ._settings import Settings, SettingsError
+from . import _runtime
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TensorHubInitInfo", "TensorHubUpdateInfo", "make_engine_class"]
+
+
+@dataclass
+class TensorHubInitInfo:
+    coordinator: Optional[str] = None
+    model: Optional[str] = None
+    token: Optional[str] = None
+
+
+@dataclass
+class TensorHubUpdateInfo:
+    #: The version to switch to, or "latest".
+    version: Union[int, str] = "latest"
+
+
+def _engine_base() -> type:
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return WeightTransferEngine
+
+
+class _Mixin:
+    """The engine's logic; combined with vLLM's base class by :func:`make_engine_class`."""
+
+    init_info_cls = TensorHubInitInfo
+    update_info_cls = TensorHubUpdateInfo
+    supports_draft_weight_update = False
+
+    def _settings(self, info: Optional[TensorHubInitInfo]) -> Settings:
+        load = self.vllm_config.load_config  # type: ignore[attr-defined]
+        base = dict(load.model_loader_extra_config) if load.load_format == "tensorhub" and \
+            isinstance(load.model_loader_extra_config, dict) else {}
+        if info is not None:
+            base.update({k: v for k, v in vars(info).items() if v is not None})
+        return Settings.from_config(base)
+
+    def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
+        st = _runtime.get_state()
+        s = self._settings(init_info)
+        if st is not None and st.settings.model != s.model:
+            raise SettingsError(f"tensorhub: setting 'model': this engine loaded {st.settings.model!r}, "
+                                f"init_info names {s.model!r}")
+        self._state = _runtime.connect(s)
+
+    def _st(self) -> "_runtime.WorkerState":
+        st = getattr(self, "_state", None) or _runtime.get_state()
+        if st is None:  # init_weight_transfer_engine not called: use the loader's / env settings
+            st = _runtime.connect(self._settings(None))
+        self._state = st
+        return st
+
+    def start_weight_update(self) -> None:
+        self._st()
+
+    def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
+        st = self._st()
+        s = st.settings
+        requested = update_info.version
+        if isinstance(requested, str) and requested.isdigit():
+            requested = int(requested)
+        t0 = time.monotonic()
+        old_v = st.version
+        got, err = None, None
+        try:
+            v = _runtime.resolve(st, requested, on_missing="error", what="update_info 'version'")
+            if v != old_v:
+                got = _runtime.fetch(st, v)
+                _runtime.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
+        except Exception as e:
+            err = str(e).removeprefix("tensorhub: ")
+        # Every rank of the TP group applies the new version, or none does.
+        errors = [(r, e) for r, e in enumerate(_runtime.gather(err)) if e is not None]
+        if errors:
+            if got is not None and st.serving:
+                self._retire(st, v, got, reason="another rank failed")
+            rank, why = errors[0]
+            where = f" (tp rank {rank})" if st.tp_size > 1 else ""
+            raise RuntimeError(f"tensorhub: could not fetch {s.model!r} v{requested}{where}: {why}; "
+                               f"the engine keeps serving v{old_v}")
+        if got is None:
+            logger.info("tensorhub: already at %s v%d", s.model, v)
+            return
+        t1 = time.monotonic()
+        self._apply(got, s.bucket_bytes)
+        t2 = time.monotonic()
+        old_copy = st.copy
+        st.version, st.specs, st.copy = v, _runtime.specs_of(got), (got if st.serving else None)
+        # Draining the old version's readers must not stall the engine: do it off the call.
+        threading.Thread(target=self._retire, args=(st, old_v, old_copy), name="tensorhub-retire",
+                         daemon=True).start()
+        logger.info("tensorhub: swapped %s v%s -> v%d: fetch %.2fs (%.1f MB from %s), apply %.2fs",
+                    s.model, old_v, v, t1 - t0, got.nbytes / 1e6, got.sources, t2 - t1)
+
+    def _apply(self, tensors: Any, limit: int) -> None:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model = self.model  # type: ignore[attr-defined]
+        initialize_layerwise_reload(model)
+        _runtime.load_into(model, tensors, limit)
+        finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _retire(st: "_runtime.WorkerState", old_v: Optional[int], old_copy: Any, reason: str = "") -> None:
+        """Stop serving ``old_v`` (and copies retired earlier) and free them once their
+        readers drained; a copy whose readers did not drain stays allocated for next time.
+        Runs on a background thread after a swap (holder side: the engine's worker)."""
+        import tensorhub
+
+        if reason:
+            logger.info("tensorhub: dropping the fetched %s v%s: %s", st.settings.model, old_v, reason)
+        with _RETIRE_LOCK:
+            pending = list(st.retired)
+            if old_v is not None and old_copy is not None:
+                pending.append((old_v, old_copy))
+            st.retired = []
+            for v, copy in pending:
+                try:
+                    st.hub.unpublish(st.settings.model, v, timeout=st.settings.drain_timeout)
+                except tensorhub.NotFoundError:
+                    pass  # not held (any more)
+                except tensorhub.TensorHubError as e:
+                    logger.warning("tensorhub: keeping %s v%d allocated: %s", st.settings.model, v, e)
+                    st.retired.append((v, copy))
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        """Keep the Hub: the engine's replicas stay registered while it runs."""
+
+
+_RETIRE_LOCK = threading.Lock()
+
+
+def make_engine_class() -> type:
+    base = _engine_base()
+    return type("TensorHubWeightTransferEngine", (_Mixin, base), {"__module__": __name__,
+                                                                   "__doc__": __doc__})
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy registration target: WeightTransferEngineFactory imports this module and reads the
+    # class attribute only when an engine is configured with the tensorhub backend.
+    if name == "TensorHubWeightTransferEngine":
+        cls = make_engine_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
