@@ -1,4 +1,5 @@
-"""``tensorhub`` command line: ``coordinator`` runs the service, ``status`` shows its state."""
+"""``tensorhub`` command line: ``coordinator`` runs the service, ``status`` shows its state,
+``follow`` drives a vLLM server to each new version."""
 
 from __future__ import annotations
 
@@ -105,6 +106,12 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _follow(args: argparse.Namespace) -> int:
+    from integrations.vllm.follow import main as follow_main  # imports no engine at module level
+
+    return follow_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensorhub", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -131,11 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: $TENSORHUB_CA_FILE, else the system's CAs)")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
     s.set_defaults(fn=_status)
+
+    f = sub.add_parser("follow", add_help=False,
+                       help="drive a vLLM server through pause/update/resume for each new version "
+                            "(--engine URL --model NAME [--mode abort|wait|keep]; --help for all)")
+    f.add_argument("rest", nargs=argparse.REMAINDER)
+    f.set_defaults(fn=_follow)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["follow"]:  # its own parser: pass every argument through untouched
+        args = argparse.Namespace(fn=_follow, rest=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except TensorHubError as e:

@@ -263,7 +263,7 @@ def test_follow_drives_the_server(fleet):
     from _engines import engine_env
 
     before = httpx.get(f"{b.url}/weight_info").json()["weight_version"]
-    follow = subprocess.Popen([sys.executable, "-m", "integrations.vllm.follow", "--engine", b.url, "--model", MODEL,
+    follow = subprocess.Popen([sys.executable, "-m", "tensorhub", "follow", "--engine", b.url, "--model", MODEL,
                                "--coordinator", fleet["url"], "--mode", "wait", "--max-swaps", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env())
     try:
