@@ -21,6 +21,10 @@ Invariants this module keeps (DESIGN.md, "Protocol and its invariants"):
    different one is refused naming the first difference.
 6. Unpublishing the last replica of a model's newest complete version is refused.
 7. All ranks resolving with the same ``group`` get the same version.
+8. A partial replica (a reader still receiving, pipelined replication) is offered only to
+   pipelined readers and only for chunks its holder reported complete under a lease that
+   was valid at that moment; it never counts for completeness or retention. Source
+   choice and seeding are ``_planner``'s pure functions.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ from ._exceptions import (
     NotFoundError,
     RetentionError,
 )
-from . import _planner
-from ._planner import Candidate, choose_sources, grid_chunk_bytes, start_fraction
+from ._planner import (
+    LEVELS, Candidate, choose_sources, chunk_order, claims, grid_chunk_bytes, group_key, locality_cost,
+    reserve_chunks, start_fraction, start_reverse,
+)
 from ._wire import (
     AcquireLease,
     LeaseGrant,
@@ -69,8 +75,6 @@ class StateConfig:
     #: Source-choice policy (``_planner.POLICIES``): ``topology``, or the benchmarks'
     #: ``single-source`` baseline.
     policy: str = "topology"
-    #: How long a newly named seeder counts as alive before it registered its partial replica.
-    seed_grace: float = 5.0
 
 
 @dataclass
@@ -98,6 +102,7 @@ class Replica:
     #: Pipelined replication: chunks reported complete while still receiving; None = complete.
     chunks: Optional[set[int]] = None
     num_chunks: int = 0
+    coming: set[int] = field(default_factory=set)  # chunks it is receiving (a hint)
 
 
 @dataclass
@@ -111,6 +116,11 @@ class Lease:
     replica_ids: tuple[str, ...]
     granted_at: float
     expires: float
+    #: Pipelined leases: where the reader's chunk order starts and its direction, and the
+    #: chunks reserved for it to read from a complete replica (``_planner.reserve_chunks``).
+    start: float = 0.0
+    reverse: bool = False
+    reserved: frozenset = frozenset()
 
 
 @dataclass
@@ -139,9 +149,6 @@ class ModelInfo:
     versions: dict[int, VersionInfo] = field(default_factory=dict)
 
 
-locality_cost = _planner.locality_cost  # re-exported: 0 same host .. 3 another datacenter
-
-
 class CoordinatorState:
     """All coordinator state; the HTTP shell holds one and a lock around it."""
 
@@ -156,7 +163,8 @@ class CoordinatorState:
         self.replicas: dict[str, Replica] = {}
         self.leases: dict[str, Lease] = {}
         self.groups: dict[tuple[str, str], tuple[int, float]] = {}
-        #: (model, version, layout, shard, datacenter) -> (seeder worker id, named at)
+        #: (model, version, layout, shard, level, *group) -> (seeder worker id, named at);
+        #: level and group as in ``_planner.group_key`` (host, zone, datacenter).
         self.seeders: dict[tuple, tuple[str, float]] = {}
         self._ids = itertools.count(1)
         self._writes: list[Write] = []
@@ -352,7 +360,7 @@ class CoordinatorState:
             ) and not r.draining and r.addresses == list(req.addresses):
                 r.addresses = list(req.addresses)
                 if not req.partial:
-                    r.chunks = None  # a partial replica completed
+                    r.chunks, r.coming = None, set()  # a partial replica completed
                 return r.replica_id, li.complete
         rid = self._new_id("r")
         self.replicas[rid] = Replica(
@@ -374,7 +382,7 @@ class CoordinatorState:
                 f"!= the shard's {grid} bytes", "bad_chunk_grid")
 
     def add_chunks(self, now: float, replica_id: str, worker_id: str, chunks: Iterable[int],
-                   lease_ids: Iterable[str] = ()) -> int:
+                   lease_ids: Iterable[str] = (), coming: Optional[Iterable[int]] = None) -> int:
         """The holder of a partial replica reports chunks complete in its memory; from now
         on pipelined readers may be sent to it for them. Refused unless every lease the
         chunks were read under is still valid. Returns how many chunks it holds."""
@@ -393,6 +401,8 @@ class CoordinatorState:
             if not 0 <= c < r.num_chunks:
                 raise ConflictError(409, f"chunk {c} outside [0, {r.num_chunks}) of {replica_id}", "bad_chunk")
             r.chunks.add(c)
+        if coming is not None:
+            r.coming = {c for c in coming if 0 <= c < r.num_chunks} - r.chunks
         return len(r.chunks)
 
     def _open_leases(self, now: float, rids: set[str]) -> int:
@@ -481,16 +491,27 @@ class CoordinatorState:
             raise ConflictError(409, f"lease {req.lease_id} has lapsed or is not this reader's; read again",
                                 "lease_lapsed")
         load: dict[str, int] = {}
+        arrivals: set[str] = set()  # readers of this shard now: spreads where concurrent readers start
         for l in self.leases.values():
             if l.expires >= now and l is not refresh:
+                if (l.model, l.version, l.layout, l.shard) == key and l.worker_id != req.worker_id:
+                    arrivals.add(l.worker_id)
                 for rid in l.replica_ids:
                     load[rid] = load.get(rid, 0) + 1
         cands, by_id = [], {}
-        partials = 0
+        own: Optional[frozenset] = None
+        own_num = 0
+        partials: list[tuple[Replica, Worker]] = []  # other readers' partial replicas
         for r in self.replicas.values():
             if (r.model, r.version, r.layout, r.shard) != key:
                 continue
-            partials += r.chunks is not None
+            if r.worker_id == req.worker_id and r.chunks is not None:
+                own, own_num = frozenset(r.chunks | r.coming), r.num_chunks
+            if r.chunks is not None and r.worker_id != req.worker_id:
+                arrivals.add(r.worker_id)
+                w = self.workers.get(r.worker_id)
+                if req.pipelined and w is not None:
+                    partials.append((r, w))
             if r.draining or r.suspect_until > now or r.replica_id in excluded or r.worker_id == req.worker_id:
                 continue
             w = self.workers.get(r.worker_id)
@@ -498,13 +519,15 @@ class CoordinatorState:
                 continue
             by_id[r.replica_id] = (r, w)
             cands.append(Candidate(r.replica_id, r.worker_id, w.locality, load.get(r.replica_id, 0),
-                                   r.registered_at, None if r.chunks is None else frozenset(r.chunks)))
-        skey = key + (reader.locality.datacenter,)
-        seeder, named = self.seeders.get(skey, (None, 0.0))
+                                   r.registered_at, None if r.chunks is None else frozenset(r.chunks),
+                                   frozenset(r.coming) if r.chunks is not None else frozenset()))
+        skeys = {lvl: key + (lvl,) + group_key(reader.locality, lvl) for lvl in LEVELS}
+        seeders = {}
+        for lvl, skey in skeys.items():
+            who = self.seeders.get(skey, (None, 0.0))[0]
+            seeders[lvl] = (who, self._seeder_alive(now, who, key))
         choice = choose_sources(reader.locality, req.worker_id, cands, max_sources=req.max_sources,
-                                pipelined=req.pipelined, seeder=seeder,
-                                seeder_alive=self._seeder_alive(now, seeder, named, key),
-                                policy=self.config.policy)
+                                pipelined=req.pipelined, seeders=seeders, policy=self.config.policy, have=own)
         if not choice.sources and not (req.pipelined and cands):
             raise ConflictError(
                 409,
@@ -512,22 +535,36 @@ class CoordinatorState:
                 "is serving now",
                 "no_replica",
             )
-        if choice.seed and seeder != req.worker_id:
-            self.seeders[skey] = (req.worker_id, now)
+        for lvl in choice.seed_levels:
+            if seeders[lvl][0] != req.worker_id:
+                self.seeders[skeys[lvl]] = (req.worker_id, now)
         chosen = [(cost, by_id[c.replica_id][0], by_id[c.replica_id][1]) for c, cost in choice.sources]
         ids = tuple(r.replica_id for _, r, _ in chosen)
         if refresh is not None:
             lid, lease = refresh.lease_id, refresh
             # Keep naming replicas an earlier answer sent it to: reads from them may still run.
-            lease.replica_ids = tuple(dict.fromkeys(lease.replica_ids + ids))
-            lease.expires = now + self.config.lease_ttl
+            lease.replica_ids = tuple(dict.fromkeys(lease.replica_ids + ids))  # expiry: renew only
         else:
             lid = self._new_id("l")
             lease = Lease(lid, req.worker_id, req.model, req.version, req.layout, req.shard, ids, now,
-                          now + self.config.lease_ttl)
+                          now + self.config.lease_ttl, start_fraction(len(arrivals)), start_reverse(len(arrivals)))
             self.leases[lid] = lease
             for _, r, _ in chosen:
                 r.served += 1
+        # A scarce complete source (the publisher, the slow link) is split between readers
+        # near each other, not raced for (_planner.claims / reserve_chunks).
+        held_back: dict[str, frozenset] = {}
+        for l in self.leases.values():
+            if l is not lease and l.expires >= now and (l.model, l.version, l.layout, l.shard) == key:
+                held_back[l.worker_id] = held_back.get(l.worker_id, frozenset()) | l.reserved
+        claimed = claims([(c, cost) for c, cost in choice.sources],
+                         [(locality_cost(reader.locality, w.locality), frozenset(r.coming),
+                           held_back.get(r.worker_id, frozenset())) for r, w in partials])
+        reserved: Optional[list[int]] = None
+        if claimed is not None and own is not None:
+            lease.reserved = reserve_chunks(chunk_order(own_num, lease.start, lease.reverse), own, claimed,
+                                            lease.reserved)
+            reserved = sorted(lease.reserved)
         chunk_bytes = grid_chunk_bytes(li.manifests[req.shard].nbytes) if req.pipelined else 0
         return LeaseGrant(
             lease_id=lid,
@@ -542,25 +579,31 @@ class CoordinatorState:
                     replica_id=r.replica_id, worker_id=w.worker_id, endpoint=w.endpoint,
                     locality=w.locality, addresses=r.addresses, cost=cost,
                     chunks=None if r.chunks is None else sorted(r.chunks),
+                    coming=sorted(r.coming) if r.chunks is not None else [],
                 )
                 for cost, r, w in chosen
             ],
             ttl=self.config.lease_ttl,
             chunk_bytes=chunk_bytes,
-            start=start_fraction(partials) if req.pipelined else 0.0,
+            start=lease.start if req.pipelined else 0.0,
+            reverse=req.pipelined and lease.reverse,
+            claimed=sorted(claimed or ()),
+            reserved=reserved,
             seed=choice.seed,
             reason=choice.reason,
         )
 
-    def _seeder_alive(self, now: float, seeder: Optional[str], named: float, key: tuple) -> bool:
+    def _seeder_alive(self, now: float, seeder: Optional[str], key: tuple) -> bool:
         """Does the seeder named for a datacenter still count: a live worker holding a
-        serving replica (partial or complete) of the shard, or named moments ago."""
+        serving replica (partial or complete) of the shard, or (before it registered its
+        partial replica) still holding a lease on the shard."""
         if seeder is None or seeder not in self.workers:
             return False
         for r in self.replicas.values():
             if r.worker_id == seeder and (r.model, r.version, r.layout, r.shard) == key:
                 return not r.draining and r.suspect_until <= now
-        return now - named < self.config.seed_grace
+        return any(l.worker_id == seeder and (l.model, l.version, l.layout, l.shard) == key and l.expires >= now
+                   for l in self.leases.values())
 
     def _lease_from_earlier_epoch(self, lease_id: str) -> bool:
         parts = lease_id.split("-")

@@ -213,6 +213,9 @@ class ReportChunks(_Model):
     #: The leases the chunks were read under: refused unless all are still valid, so a
     #: chunk read under a lease that lapsed is never offered to other readers.
     lease_ids: list[Ident] = Field(default_factory=list, max_length=1024)
+    #: Chunks it is receiving now (replaces the last report's): not readable from it, but
+    #: other readers leave them to it rather than pulling them from a complete replica too.
+    coming: Optional[list[Annotated[int, Field(ge=0, lt=MAX_CHUNKS)]]] = Field(default=None, max_length=MAX_CHUNKS)
 
 
 class Report(_Model):
@@ -230,6 +233,8 @@ class ReplicaInfo(_Model):
     cost: int = 0
     #: Chunks this replica may be read for (a partial replica); None: all of them.
     chunks: Optional[list[int]] = None
+    #: Chunks a partial replica is receiving now (a hint; never read from it for these).
+    coming: list[int] = Field(default_factory=list)
 
 
 class LeaseGrant(_Model):
@@ -243,9 +248,15 @@ class LeaseGrant(_Model):
     replicas: list[ReplicaInfo]
     ttl: float
     #: Pipelined leases: the shard's chunk grid, where in the chunk order this reader
-    #: starts, whether it is its datacenter's seeder, and why these sources.
+    #: starts and in which direction, whether it is its datacenter's seeder, and why.
     chunk_bytes: int = 0
     start: float = 0.0
+    reverse: bool = False
+    #: Chunks other readers in this datacenter are receiving now: the reader leaves them to
+    #: them rather than pulling them from a complete replica too (a hint, never a source).
+    claimed: list[int] = Field(default_factory=list)
+    #: Chunks reserved for this reader to read from complete replicas (None: no limit).
+    reserved: Optional[list[int]] = None
     seed: bool = False
     reason: str = ""
 

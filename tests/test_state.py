@@ -261,6 +261,7 @@ class Machine(RuleBasedStateMachine):
         self.s.expire(self.now)
         for rid in before - set(self.s.replicas):
             self.removed_at.setdefault(rid, self.now)
+            self.dead_removed.add(rid)  # its worker died (ttl): not an unpublish under a lease
 
     @rule(w=st.sampled_from(WORKERS), explicit=st.booleans())
     def publish(self, w: str, explicit: bool) -> None:

@@ -1,0 +1,241 @@
+"""Pipelined replication and cross-datacenter seeding, end to end.
+
+In process (embedded coordinator, in-memory transport with throttled sources so reads
+overlap) with an invariant checker at the transport: every byte range any reader asks of
+a source must be complete in that source's memory at that moment (published, or written
+by a batch the source's own transport already reported DONE). Then over real Mooncake
+between processes on loopback.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import tensorhub
+from tensorhub.testing import InMemoryTransport
+
+MiB = 1 << 20
+
+_LOCK = threading.Lock()
+_COMPLETE: dict[str, list[tuple[int, int]]] = {}  # endpoint -> ranges complete in its memory
+_VIOLATIONS: list[str] = []
+_READS: list[tuple[str, str, int]] = []  # (reader endpoint, source endpoint, bytes)
+
+
+def _add(ep: str, a: int, n: int) -> None:
+    _COMPLETE.setdefault(ep, []).append((a, a + n))
+
+
+def _covered(ep: str, a: int, n: int) -> bool:
+    need_lo, need_hi = a, a + n
+    for lo, hi in sorted(_COMPLETE.get(ep, [])):
+        if lo <= need_lo < hi:
+            need_lo = hi
+            if need_lo >= need_hi:
+                return True
+    return need_lo >= need_hi
+
+
+class CheckedTransport(InMemoryTransport):
+    """Records what is complete where; flags any read of a range not complete on its source."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._ops: dict[int, list] = {}
+
+    def mark_published(self, tensors: dict) -> None:
+        with _LOCK:
+            for t in tensors.values():
+                _add(self.endpoint, t.data_ptr(), t.numel() * t.element_size())
+
+    def submit_read(self, peer, ops):
+        with _LOCK:
+            for op in ops:
+                if not _covered(peer, op.remote_addr, op.length):
+                    _VIOLATIONS.append(f"{self.endpoint} read [{op.remote_addr:#x}, +{op.length}) from {peer}, "
+                                       "not complete there")
+            _READS.append((self.endpoint, peer, sum(op.length for op in ops)))
+        h = super().submit_read(peer, ops)
+        self._ops[h] = list(ops)
+        return h
+
+    def poll(self, handle):
+        st = super().poll(handle)
+        if st != 0:
+            ops = self._ops.pop(handle, [])
+            if st == 1:
+                with _LOCK:
+                    for op in ops:
+                        _add(self.endpoint, op.local_addr, op.length)
+        return st
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    with _LOCK:
+        _COMPLETE.clear()
+        _VIOLATIONS.clear()
+        _READS.clear()
+    yield
+
+
+@pytest.fixture
+def hubs(embedded):
+    made = []
+
+    def make(name: str, where: str, **kw):
+        t = CheckedTransport(bandwidth=kw.pop("bandwidth", 24 * MiB))
+        h = tensorhub.connect(embedded.url, worker_id=name, transport=t, locality=where,
+                              heartbeat_interval=0.2, **kw)
+        made.append(h)
+        return h, t
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def weights(seed: int, mib: int, n: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn((mib * MiB) // n // 4, generator=g) for i in range(n)}
+
+
+def fetch_all(readers, version, **kw):
+    out: dict[str, object] = {}
+
+    def run(name, hub):
+        try:
+            out[name] = hub.fetch("m", version, **kw)
+        except Exception as e:  # noqa: BLE001 - reported below
+            out[name] = e
+
+    threads = [threading.Thread(target=run, args=(n, h)) for n, h in readers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fan_out_readers_serve_each_other_and_never_read_incomplete_chunks(hubs):
+    pub, pt = hubs("pub", "dc=a,zone=z,host=p")
+    w = weights(1, 16)
+    v = pub.publish("m", w)
+    pt.mark_published(w)
+    readers = [(f"r{i}", hubs(f"r{i}", f"dc=a,zone=z,host=h{i}")[0]) for i in range(4)]
+    t0 = time.monotonic()
+    got = fetch_all(readers, v)
+    took = time.monotonic() - t0
+    assert not _VIOLATIONS, _VIOLATIONS[:3]
+    for name, f in got.items():
+        assert not isinstance(f, Exception), f
+        assert same(f, w), name
+    from_pub = sum(f.sources.get("pub", 0) for f in got.values())
+    total = sum(f.nbytes for f in got.values())
+    assert from_pub < 0.75 * total, f"readers read {from_pub / total:.0%} from the publisher"
+    # single source would take 4 x 16 MiB / 24 MiB/s = 2.7 s
+    assert took < 2.4, took
+
+
+def test_cross_datacenter_one_reader_crosses_and_the_others_follow(hubs):
+    pub, pt = hubs("pub", "dc=a,zone=z,host=p")
+    w = weights(2, 16)
+    v = pub.publish("m", w)
+    pt.mark_published(w)
+    readers = [(f"b{i}", hubs(f"b{i}", f"dc=b,zone=z,host=h{i}")[0]) for i in range(3)]
+    got = fetch_all(readers, v)
+    assert not _VIOLATIONS, _VIOLATIONS[:3]
+    for name, f in got.items():
+        assert not isinstance(f, Exception), f
+        assert same(f, w), name
+    crossed = sum(f.sources.get("pub", 0) for f in got.values())
+    assert crossed == 16 * MiB, f"{crossed / MiB:.1f} MiB crossed datacenters for a 16 MiB version"
+
+
+def test_seeder_dies_mid_read_another_reader_takes_over(hubs):
+    pub, pt = hubs("pub", "dc=a,zone=z,host=p", bandwidth=8 * MiB)
+    w = weights(3, 16)
+    v = pub.publish("m", w)
+    pt.mark_published(w)
+    seeder, st = hubs("seed", "dc=b,zone=z,host=s")
+    box: dict = {}
+    th = threading.Thread(target=lambda: box.setdefault("r", _try(lambda: seeder.fetch("m", v))))
+    th.start()
+    time.sleep(0.6)  # the seeder holds some chunks now, and has reported them
+    followers = [(f"f{i}", hubs(f"f{i}", f"dc=b,zone=z,host=f{i}", progress_timeout=0.5)[0]) for i in range(2)]
+    res: dict = {}
+    ft = threading.Thread(target=lambda: res.update(fetch_all(followers, v)))
+    ft.start()
+    time.sleep(0.5)
+    InMemoryTransport.kill(st.endpoint)  # the seeder's memory is gone for everyone
+    ft.join(120)
+    th.join(60)
+    assert not _VIOLATIONS, _VIOLATIONS[:3]
+    for name, f in res.items():
+        assert not isinstance(f, Exception), f
+        assert same(f, w), name
+    crossed = sum(f.sources.get("pub", 0) for f in res.values())
+    assert 0 < crossed < 2 * 16 * MiB  # one follower took over; the other followed it
+    assert any(f.failed_sources for f in res.values())
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+def test_not_pipelined_readers_never_see_partial_replicas(hubs):
+    pub, pt = hubs("pub", "dc=a,zone=z,host=p", bandwidth=8 * MiB)
+    w = weights(4, 8)
+    v = pub.publish("m", w)
+    pt.mark_published(w)
+    a, _ = hubs("a", "dc=a,zone=z,host=a")
+    b, _ = hubs("b", "dc=a,zone=z,host=b", pipelined=False)
+    th = threading.Thread(target=lambda: a.fetch("m", v))
+    th.start()
+    time.sleep(0.3)
+    got = b.fetch("m", v, serve=False)
+    th.join(60)
+    assert same(got, w) and set(got.sources) <= {"pub", "a"}
+    assert not _VIOLATIONS, _VIOLATIONS[:3]
+
+
+# ---------------------------------------------------------------- real processes, real Mooncake
+@pytest.mark.multiprocess
+def test_real_mooncake_fan_out_and_cross_datacenter(coordinator):
+    from tensorhub.testing import Worker, digest, make_weights
+
+    url, made = coordinator.url, []
+    try:
+        pub = Worker(url, "pub", locality="dc=a,zone=z,host=p")
+        made.append(pub)
+        near = [Worker(url, f"a{i}", locality=f"dc=a,zone=z,host=a{i}") for i in range(3)]
+        far = [Worker(url, f"b{i}", locality=f"dc=b,zone=z,host=b{i}") for i in range(3)]
+        made += near + far
+        nbytes = 48 * MiB
+        want = digest(make_weights(1, nbytes))
+        v = pub.call("publish", seed=1, nbytes=nbytes)
+        for w in near + far:
+            w.send("fetch", version=v)
+        got = {w.name: w.result(120) for w in near + far}
+        for name, g in got.items():
+            assert g["version"] == v and g["digest"] == want, name
+        size = got["a0"]["nbytes"]
+        dc_a = {"pub", *(w.name for w in near)}
+        crossed = sum(n for w in far for src, n in got[w.name]["sources"].items() if src in dc_a)
+        assert crossed == size, (f"{crossed / size:.2f}x the version crossed datacenters",
+                                 [(w.name, got[w.name]["sources"], got[w.name]["failed_sources"]) for w in far])
+        assert all(set(got[w.name]["sources"]) <= {"pub", "a0", "a1", "a2"} for w in near)
+    finally:
+        for w in made:
+            w.close()
