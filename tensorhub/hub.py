@@ -232,10 +232,10 @@ class Hub:
                 self._register_worker()
             return self._transport
 
-    def _register_worker(self) -> None:
+    def _register_worker(self, retry_timeout: Optional[float] = None) -> None:
         endpoint = self._transport.endpoint if self._transport_started else ""
         r = self.api.post("/v1/workers", {"worker_id": self.worker_id, "endpoint": endpoint,
-                                          "locality": self.locality.model_dump()})
+                                          "locality": self.locality.model_dump()}, retry_timeout=retry_timeout)
         self._epoch = r["epoch"]
         self._lease_ttl = float(r["lease_ttl"])
 
@@ -258,12 +258,17 @@ class Hub:
                 logger.exception("heartbeat failed")
 
     def _reregister(self) -> None:
+        """Register the worker and every held replica again. Holds the lock, so that no
+        replica being unpublished is announced again, but with a short retry budget: a
+        coordinator that is still down must not stall this process's fetches for long."""
+        budget = max(1.0, 2 * self.heartbeat_interval)
         try:
             with self._lock:
-                self._register_worker()
+                self._register_worker(retry_timeout=budget)
                 for h in list(self._held.values()):
-                    self.api.post(f"/v1/models/{h.model}/versions", {"version": h.version})
-                    h.replica_id = self.api.post("/v1/replicas", self._replica_body(h))["replica_id"]
+                    self.api.post(f"/v1/models/{h.model}/versions", {"version": h.version}, retry_timeout=budget)
+                    h.replica_id = self.api.post("/v1/replicas", self._replica_body(h),
+                                                 retry_timeout=budget)["replica_id"]
         except TensorHubError as e:
             logger.warning("re-registration failed (will retry): %s", e)
 
