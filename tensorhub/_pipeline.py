@@ -57,7 +57,7 @@ class PipelinedReader(ShardReader):
     ``(chunk, lease_id)`` in completion order."""
 
     def __init__(self, transport: Any, sizes: list[int], local_addrs: list[int], *, start: float = 0.0,
-                 reverse: bool = False, refresh_interval: float = 0.05, claim_patience: float = 1.0,
+                 reverse: bool = False, refresh_interval: float = 0.05, claim_patience: float = 0.5,
                  **kw: Any) -> None:
         super().__init__(transport, sizes, local_addrs, **kw)
         self.order = chunk_order(len(self.chunks), start, reverse)

@@ -242,7 +242,7 @@ _NAMES = {COST_HOST: "host", COST_ZONE: "zone", COST_DC: "datacenter", COST_REMO
 
 
 #: How many chunks a reader reserves at a time for reading from a complete replica.
-RESERVE = 8
+RESERVE = 4
 
 
 def claims(chosen: Sequence[tuple], nearby: Iterable[tuple]) -> Optional[frozenset]:

@@ -1,0 +1,347 @@
+"""Topology benchmarks on the emulated testbed (benchmarks/testbed.py): real coordinator,
+publisher and reader processes in network namespaces, over shaped links, real Mooncake.
+
+* ``fanout``  -- one publisher, N = 1, 2, 4, 8 readers on other hosts of one datacenter,
+  a 256 MiB version, 1 Gbit/s host links: time until every reader holds the version,
+  TensorHub (pipelined, topology-aware) versus single-source (every reader reads from
+  the publisher), measured side by side (interleaved) in one run.
+* ``crossdc`` -- publisher in datacenter A, 4 readers in B, 100 Mbit/s between them:
+  bytes that crossed the slow link (interface counters) and time until all hold it,
+  TensorHub versus naive (each reader reads from the publisher).
+* ``elastic`` -- 4 engines follow a publisher that keeps publishing; 4 more join; their
+  time until they serve the newest version, TensorHub versus a baseline where every
+  newcomer reads from the publisher.
+
+Each prints a table, writes JSON and a PNG (``--out``, default ``out/``).
+
+    sudo python benchmarks/bench_topology.py fanout [--mib 256] [--readers 1,2,4,8]
+    sudo python benchmarks/bench_topology.py crossdc [--mib 64]
+    sudo python benchmarks/bench_topology.py elastic [--mib 64]
+    sudo python benchmarks/bench_topology.py all
+
+A worker process is this file with ``worker`` as first argument (JSON lines on stdin/stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------- worker (inside a namespace)
+def worker(argv: list[str]) -> int:  # pragma: no cover - runs in a child process
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--locality", required=True)
+    a = ap.parse_args(argv)
+    import torch
+
+    import tensorhub
+
+    hub = tensorhub.connect(a.url, worker_id=a.name, locality=a.locality, heartbeat_interval=1.0)
+    hub.endpoint  # start the data plane now, not inside a timed fetch
+    held: dict[int, dict] = {}
+
+    def say(**kw: Any) -> None:
+        sys.stdout.write(json.dumps(kw) + "\n")
+        sys.stdout.flush()
+
+    say(ok="ready")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            op = cmd["op"]
+            if op == "publish":
+                w = _weights(torch, cmd["mib"], cmd["seed"])
+                v = hub.publish("policy", w)
+                held[v] = w
+                say(ok=v)
+            elif op == "fetch":
+                hub.pipelined = cmd["pipelined"]
+                t0 = time.time()
+                f = hub.fetch("policy", cmd.get("version"), serve=cmd["serve"])
+                t1 = time.time()
+                if cmd["serve"]:
+                    held[f.version] = f
+                want = _weights(torch, cmd["mib"], cmd["seed"])  # every byte checked
+                good = want.keys() == f.keys() and all(torch.equal(f[k], want[k]) for k in want)
+                say(ok={"version": f.version, "start": t0, "end": t1, "sources": f.sources,
+                        "nbytes": f.nbytes, "bytes_ok": good})
+            elif op == "unpublish":
+                for v in [v for v in held if v in cmd["versions"]]:
+                    try:
+                        hub.unpublish("policy", v, timeout=30)
+                    except tensorhub.TensorHubError:
+                        pass
+                    held.pop(v, None)
+                say(ok=True)
+            elif op == "latest":
+                say(ok=hub.latest("policy"))
+            elif op == "exit":
+                hub.close()
+                say(ok=True)
+                return 0
+        except Exception as e:  # noqa: BLE001 - reported to the driver
+            say(error=f"{type(e).__name__}: {e}")
+    return 0
+
+
+def _weights(torch: Any, mib: int, seed: int) -> dict:
+    """The benchmark's version: 16 tensors, contents fixed by ``seed`` (cheap to make and check)."""
+    n = mib * MiB // 16 // 4
+    return {f"layers.{i}.weight": torch.arange(n, dtype=torch.int32).add_(seed * 131 + i).view(torch.float32)
+            for i in range(16)}
+
+
+class Proc:
+    """Driver-side handle of a worker in the testbed."""
+
+    def __init__(self, tb: Any, host: str, url: str, log: Path) -> None:
+        self.name = host
+        loc = f"dc={tb.hosts[host]['dc']},zone=z,host={host}"
+        self.p = tb.spawn(host, [sys.executable, __file__, "worker", "--url", url, "--name", host,
+                                 "--locality", loc], stderr=open(log / f"{host}.log", "a"),
+                          # Baselines put 8-16 reads on one shaped link: each runs far below the
+                          # reader's 10 MB/s hang heuristic, which must not fire on them.
+                          env={"TENSORHUB_PROGRESS_TIMEOUT": "120"})
+        self.recv(120)
+
+    def send(self, **cmd: Any) -> None:
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+
+    def recv(self, timeout: float = 600) -> Any:
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.name} exited")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(f"worker {self.name}: {msg['error']}")
+        return msg["ok"]
+
+    def call(self, **cmd: Any) -> Any:
+        self.send(**cmd)
+        return self.recv()
+
+
+def _round(pub: Proc, readers: list[Proc], mib: int, seed: int, tensorhub_mode: bool) -> dict:
+    """Publish a fresh version, let every reader fetch it at once, time it."""
+    v = pub.call(op="publish", mib=mib, seed=seed)
+    t0 = time.time()
+    for r in readers:
+        r.send(op="fetch", version=v, pipelined=tensorhub_mode, serve=tensorhub_mode, mib=mib, seed=seed)
+    res = {r.name: r.recv() for r in readers}
+    t_all = max(x["end"] for x in res.values()) - t0
+    bad = [k for k, x in res.items() if not x["bytes_ok"]]
+    assert not bad, f"readers {bad} got wrong bytes"
+    for r in readers:
+        r.call(op="unpublish", versions=[v])
+    pub.call(op="unpublish", versions=[v - 1]) if v > 1 else None
+    return {"version": v, "seconds": t_all, "per_reader": {k: x["end"] - t0 for k, x in res.items()},
+            "from_publisher": sum(x["sources"].get(pub.name, 0) for x in res.values()) / (mib * MiB)}
+
+
+# ---------------------------------------------------------------- scenarios
+def fanout(args: argparse.Namespace, out: Path) -> dict:
+    from testbed import Testbed
+
+    ns = [int(x) for x in args.readers.split(",")]
+    rows = []
+    with Testbed({"a": 1 + max(ns)}, host_rate=args.host_rate) as tb, tempfile.TemporaryDirectory() as d:
+        url = tb.start_coordinator(d)
+        pub = Proc(tb, "a0", url, out)
+        readers = [Proc(tb, f"a{k + 1}", url, out) for k in range(max(ns))]
+        seed = 0
+        for n in ns:
+            row = {"readers": n}
+            for mode, flag in (("tensorhub", True), ("single-source", False)):
+                seed += 1
+                r = _round(pub, readers[:n], args.mib, seed, flag)
+                row[mode] = r["seconds"]
+                row[f"{mode}_from_publisher_x"] = r["from_publisher"]
+                row[f"{mode}_per_reader_s"] = r["per_reader"]
+            rows.append(row)
+            print(f"  N={n}: tensorhub {row['tensorhub']:.2f}s  single-source {row['single-source']:.2f}s",
+                  flush=True)
+        for p in [pub, *readers]:
+            p.call(op="exit")
+    base = rows[0]["tensorhub"]
+    for row in rows:
+        row["tensorhub_vs_own_n1"] = row["tensorhub"] / base
+        row["speedup_vs_single"] = row["single-source"] / row["tensorhub"]
+    print(f"\nfan-out: {args.mib} MiB version, {args.host_rate} host links, 1 publisher")
+    print(f"{'N':>3} {'tensorhub s':>12} {'single s':>10} {'TH/TH(N=1)':>11} {'speedup':>8} {'pub bytes (x)':>14}")
+    for row in rows:
+        print(f"{row['readers']:>3} {row['tensorhub']:>12.2f} {row['single-source']:>10.2f} "
+              f"{row['tensorhub_vs_own_n1']:>11.2f} {row['speedup_vs_single']:>8.2f} "
+              f"{row['tensorhub_from_publisher_x']:>14.2f}")
+    last = rows[-1]
+    print(f"targets at N={last['readers']}: within 2x of N=1 -> {last['tensorhub_vs_own_n1']:.2f}x "
+          f"({'met' if last['tensorhub_vs_own_n1'] <= 2 else 'MISSED'}); >= 3.5x faster than single-source -> "
+          f"{last['speedup_vs_single']:.2f}x ({'met' if last['speedup_vs_single'] >= 3.5 else 'MISSED'})")
+    res = {"scenario": "fanout", "mib": args.mib, "host_rate": args.host_rate, "rows": rows}
+    _plot(out / "bench_fanout.png", "fan-out: time until every reader holds the version",
+          "readers", [r["readers"] for r in rows],
+          {"tensorhub": [r["tensorhub"] for r in rows], "single-source": [r["single-source"] for r in rows]})
+    return res
+
+
+def crossdc(args: argparse.Namespace, out: Path) -> dict:
+    from testbed import Testbed
+
+    n = args.far_readers
+    res: dict = {"scenario": "crossdc", "mib": args.mib, "xdc_rate": args.xdc_rate, "readers": n}
+    with Testbed({"a": 1, "b": n}, host_rate=args.host_rate, xdc_rate=args.xdc_rate) as tb, \
+            tempfile.TemporaryDirectory() as d:
+        url = tb.start_coordinator(d)
+        pub = Proc(tb, "a0", url, out)
+        readers = [Proc(tb, f"b{k}", url, out) for k in range(n)]
+        size = args.mib * MiB
+        for mode, flag in (("tensorhub", True), ("naive", False)):
+            before = tb.xdc_bytes()
+            r = _round(pub, readers, args.mib, 7 if flag else 8, flag)
+            after = tb.xdc_bytes()
+            crossed = after["forward"] - before["forward"]
+            res[mode] = {"seconds": r["seconds"], "crossed_bytes": crossed, "crossed_x": crossed / size,
+                         "back_bytes": after["back"] - before["back"]}
+            print(f"  {mode}: {r['seconds']:.2f}s, {crossed / size:.2f}x crossed", flush=True)
+        for p in [pub, *readers]:
+            p.call(op="exit")
+    th, nv = res["tensorhub"], res["naive"]
+    res["time_ratio"] = nv["seconds"] / th["seconds"]
+    print(f"\ncross-datacenter: {args.mib} MiB version, publisher in A, {n} readers in B, {args.xdc_rate} between")
+    print(f"{'mode':>10} {'seconds':>8} {'crossed MiB':>12} {'x version':>10}")
+    for mode in ("tensorhub", "naive"):
+        m = res[mode]
+        print(f"{mode:>10} {m['seconds']:>8.2f} {m['crossed_bytes'] / MiB:>12.1f} {m['crossed_x']:>10.2f}")
+    print(f"targets: crossed <= 1.1x -> {th['crossed_x']:.2f}x ({'met' if th['crossed_x'] <= 1.1 else 'MISSED'}); "
+          f">= 3x less time than naive -> {res['time_ratio']:.2f}x ({'met' if res['time_ratio'] >= 3 else 'MISSED'})")
+    _plot(out / "bench_crossdc.png", "cross-datacenter", "mode", ["tensorhub", "naive"],
+          {"seconds": [th["seconds"], nv["seconds"]], "crossed (x version)": [th["crossed_x"], nv["crossed_x"]]},
+          bars=True)
+    return res
+
+
+def elastic(args: argparse.Namespace, out: Path) -> dict:
+    """4 engines follow the publisher; 4 newcomers join; time until they serve the newest version."""
+    from testbed import Testbed
+
+    res: dict = {"scenario": "elastic", "mib": args.mib}
+    with Testbed({"a": 9}, host_rate=args.host_rate) as tb, tempfile.TemporaryDirectory() as d:
+        url = tb.start_coordinator(d)
+        pub = Proc(tb, "a0", url, out)
+        old = [Proc(tb, f"a{k}", url, out) for k in range(1, 5)]
+        new = [Proc(tb, f"a{k}", url, out) for k in range(5, 9)]
+        seed = 100
+        for mode, flag in (("tensorhub", True), ("publisher-only", False)):
+            # steady state: a version is published and the running engines follow it
+            seed += 1
+            v = pub.call(op="publish", mib=args.mib, seed=seed)
+            for r in old:
+                r.send(op="fetch", version=v, pipelined=True, serve=True, mib=args.mib, seed=seed)
+            for r in old:
+                assert r.recv()["bytes_ok"]
+            # the next version is published; running engines and newcomers fetch it at once
+            seed += 1
+            v2 = pub.call(op="publish", mib=args.mib, seed=seed)
+            t0 = time.time()
+            for r in old:
+                r.send(op="fetch", version=v2, pipelined=True, serve=True, mib=args.mib, seed=seed)
+            for r in new:
+                r.send(op="fetch", version=v2, pipelined=flag, serve=flag, mib=args.mib, seed=seed)
+            got_old = [r.recv() for r in old]
+            got_new = [r.recv() for r in new]
+            assert all(x["bytes_ok"] for x in got_old + got_new)
+            res[mode] = {"newcomers_seconds": max(x["end"] for x in got_new) - t0,
+                         "engines_seconds": max(x["end"] for x in got_old) - t0}
+            print(f"  {mode}: newcomers serving after {res[mode]['newcomers_seconds']:.2f}s", flush=True)
+            for r in old + new:
+                r.call(op="unpublish", versions=[v, v2])
+            pub.call(op="unpublish", versions=[v])
+        for p in [pub, *old, *new]:
+            p.call(op="exit")
+    res["speedup"] = res["publisher-only"]["newcomers_seconds"] / res["tensorhub"]["newcomers_seconds"]
+    print(f"\nelastic: {args.mib} MiB, 4 engines following, 4 newcomers join at a new version")
+    print(f"{'mode':>15} {'newcomers s':>12} {'engines s':>10}")
+    for mode in ("tensorhub", "publisher-only"):
+        print(f"{mode:>15} {res[mode]['newcomers_seconds']:>12.2f} {res[mode]['engines_seconds']:>10.2f}")
+    print(f"newcomers serving {res['speedup']:.2f}x sooner with TensorHub")
+    _plot(out / "bench_elastic.png", "elastic: newcomers' time to serving", "mode", ["tensorhub", "publisher-only"],
+          {"seconds": [res["tensorhub"]["newcomers_seconds"], res["publisher-only"]["newcomers_seconds"]]},
+          bars=True)
+    return res
+
+
+def _plot(path: Path, title: str, xlabel: str, xs: list, series: dict, bars: bool = False) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(matplotlib not installed: no {path.name}; pip install 'tensorhub[bench]')")
+        return
+    fig, axes = plt.subplots(1, len(series) if bars else 1, figsize=(5 * (len(series) if bars else 1), 3.6))
+    if bars:
+        for ax, (name, ys) in zip(list(axes) if len(series) > 1 else [axes], series.items()):
+            ax.bar([str(x) for x in xs], ys, color=["tab:blue", "tab:orange"][: len(ys)])
+            ax.set_title(name)
+    else:
+        for name, ys in series.items():
+            axes.plot(xs, ys, marker="o", label=name)
+        axes.set_xlabel(xlabel)
+        axes.set_ylabel("seconds")
+        axes.set_xticks(xs)
+        axes.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        return worker(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("scenario", choices=["fanout", "crossdc", "elastic", "all"])
+    ap.add_argument("--mib", type=int, default=None, help="version size (fanout 256, others 64)")
+    ap.add_argument("--readers", default="1,2,4,8")
+    ap.add_argument("--far-readers", type=int, default=4)
+    ap.add_argument("--host-rate", default="1gbit")
+    ap.add_argument("--xdc-rate", default="100mbit")
+    ap.add_argument("--out", default="out")
+    args = ap.parse_args()
+    from testbed import available
+
+    ok, why = available()
+    if not ok:
+        print(f"testbed unavailable: {why}")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for sc in (["fanout", "crossdc", "elastic"] if args.scenario == "all" else [args.scenario]):
+        a = argparse.Namespace(**vars(args))
+        if a.mib is None:
+            a.mib = 256 if sc == "fanout" else 64
+        print(f"== {sc}", flush=True)
+        results[sc] = {"fanout": fanout, "crossdc": crossdc, "elastic": elastic}[sc](a, out)
+        (out / f"bench_{sc}.json").write_text(json.dumps(results[sc], indent=2))
+        print(f"wrote {out / f'bench_{sc}.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
