@@ -6,10 +6,12 @@ seconds (a coordinator restart looks like that); 4xx answers are not retried.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import ssl
+import threading
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import httpx
 
@@ -89,14 +91,29 @@ class CoordinatorClient:
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                   verify=tls_verify(ca_file, verify))
         self.retry_timeout = retry_timeout
+        self._local = threading.local()
 
     def close(self) -> None:
         self._http.close()
+
+    @contextlib.contextmanager
+    def bounded(self, deadline: float) -> Iterator[None]:
+        """Within this block (this thread only), no request retries past ``deadline``
+        (``time.monotonic()``): a caller's own deadline wins over the retry budget."""
+        outer = getattr(self._local, "deadline", None)
+        self._local.deadline = deadline if outer is None else min(outer, deadline)
+        try:
+            yield
+        finally:
+            self._local.deadline = outer
 
     def request(self, method: str, path: str, *, json: Any = None, params: Any = None,
                 retry_timeout: Optional[float] = None, timeout: Optional[float] = None) -> Any:
         budget = self.retry_timeout if retry_timeout is None else retry_timeout
         deadline = time.monotonic() + budget
+        cap = getattr(self._local, "deadline", None)
+        if cap is not None and cap < deadline:
+            deadline, budget = cap, max(0.0, cap - time.monotonic())
         delay = 0.05
         while True:
             try:

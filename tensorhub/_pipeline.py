@@ -357,15 +357,19 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
     finally:
         if not served:
             hub._release_all(leases)
-            if partial_id is not None and regions and not _withdraw(hub, model, version):
+            # Withdraw within the fetch's deadline; if the coordinator cannot confirm that no
+            # reader is left, the memory is quarantined instead of freed.
+            if partial_id is not None and regions and not _withdraw(hub, model, version,
+                                                                     until=deadline + hub_mod._RELEASE_GRACE):
                 hub_mod._QUARANTINE.append(buf if buf is not None else out)
                 regions = []
             hub._unregister_regions(transport, regions)
 
 
-def _withdraw(hub: Any, model: str, version: int, timeout: float = 60.0) -> bool:
-    """Unpublish a failed fetch's partial replica; True once no reader holds a lease on it."""
-    end = time.monotonic() + timeout
+def _withdraw(hub: Any, model: str, version: int, until: float) -> bool:
+    """Unpublish a failed fetch's partial replica; True once no reader holds a lease on it
+    (False if that is not confirmed by ``until``, a ``time.monotonic()`` deadline)."""
+    end = until
     while True:
         try:
             r = hub._as_worker(f"/v1/models/{model}/versions/{version}/unpublish", {"worker_id": hub.worker_id},

@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 _DEPTH = 2
 _MIN_CHUNK = 4 << 20
 
+#: Seconds past a fetch's deadline its coordinator calls (release, register) may still retry.
+_RELEASE_GRACE = 2.0
+
 #: Destination buffers a hung transfer may still write into: never freed (see _reader).
 _QUARANTINE: list[Any] = []
 
@@ -445,13 +448,19 @@ class Hub:
         coordinator picks, into ``into`` (checked tensor by tensor) or new tensors.
 
         With ``serve=True`` the result is registered as one more replica: leave the tensors
-        unchanged until ``unpublish``. ``group``: see :meth:`resolve`."""
+        unchanged until ``unpublish``. ``group``: see :meth:`resolve`. The fetch completes or
+        fails within ``timeout`` (default ``fetch_timeout``), coordinator outages included."""
         self._check_open()
+        deadline = time.monotonic() + (self.fetch_timeout if timeout is None else timeout)
+        with self.api.bounded(deadline + _RELEASE_GRACE):
+            return self._fetch(model, version, layout, shard, into, serve, group, deadline)
+
+    def _fetch(self, model: str, version: Optional[int], layout: str, shard: int,
+               into: Optional[Mapping[str, Any]], serve: bool, group: Optional[str], deadline: float) -> Fetched:
         if version is None:
             version = self.resolve(model, group=group)
         elif not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ConfigError(f"version must be a positive int, got {version!r}")
-        deadline = time.monotonic() + (self.fetch_timeout if timeout is None else timeout)
         with self._lock:
             held = self._held.get((model, version, layout, shard))
         if held is not None:  # we hold it already: no transfer

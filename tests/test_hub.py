@@ -227,3 +227,17 @@ def test_retention_unpublishing_every_holder_in_turn(connect):
     assert b.held() == [("m", v, "hf", 0)]  # ... but still serves v from the copy
     got = connect("c").fetch("m", v, serve=False)
     assert same(got, w) and got.sources == {"b": got.nbytes}
+
+
+def test_fetch_keeps_its_deadline_while_the_coordinator_is_down(embedded, connect):
+    src = InMemoryTransport(bandwidth=4 * MiB)  # 8 MiB: about 2 s
+    a = connect("a", transport=src)
+    v = a.publish("m", weights(16, mib=8))
+    r = connect("r")
+    threading.Timer(0.5, embedded.stop).start()  # the coordinator dies mid-read and stays down
+    t0 = time.monotonic()
+    with pytest.raises((tensorhub.CoordinatorUnavailableError, tensorhub.FetchError)) as e:
+        r.fetch("m", v, timeout=3.0)
+    took = time.monotonic() - t0
+    assert took < 3.0 + 2.0 + 1.5, f"fetch overran its deadline: {took:.1f}s"
+    assert "unreachable" in str(e.value) or "deadline" in str(e.value)
