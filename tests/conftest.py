@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tensorhub.testing import CoordinatorProcess  # noqa: F401  (tests import it from here)
+from tensorhub.testing import CoordinatorProcess, Worker
 
 # Mooncake's glog chatter goes to stderr of every process; keep test output readable.
 os.environ.setdefault("GLOG_minloglevel", "2")
@@ -27,3 +27,18 @@ def embedded(tmp_path):
 
     with EmbeddedCoordinator(tmp_path / "state", config=StateConfig(lease_ttl=5.0, worker_ttl=3.0)) as c:
         yield c
+
+
+@pytest.fixture
+def workers():
+    """Make scriptable worker processes (real Hub, real Mooncake); all closed afterwards."""
+    made: list[Worker] = []
+
+    def make(url: str, name: str, **kw) -> Worker:
+        w = Worker(url, name, **kw)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()

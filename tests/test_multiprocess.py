@@ -22,20 +22,6 @@ def expected(seed: int, nbytes: int) -> dict:
     return digest(make_weights(seed, nbytes))
 
 
-@pytest.fixture
-def workers():
-    made: list[Worker] = []
-
-    def make(url: str, name: str, **kw) -> Worker:
-        w = Worker(url, name, **kw)
-        made.append(w)
-        return w
-
-    yield make
-    for w in made:
-        w.close()
-
-
 def status(url: str, token: str | None = None) -> dict:
     h = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.get(f"{url}/v1/status", headers=h, timeout=10).json()

@@ -21,20 +21,6 @@ MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def workers():
-    made: list[Worker] = []
-
-    def make(url: str, name: str, **kw) -> Worker:
-        w = Worker(url, name, **kw)
-        made.append(w)
-        return w
-
-    yield make
-    for w in made:
-        w.close()
-
-
 def test_hung_source_fails_over_within_progress_timeout(coordinator, workers):
     size = 128 * MiB
     a = workers(coordinator.url, "holder-a")
