@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -138,6 +139,8 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print) -> dict:
                     counts[f"fetch failed clearly: {e.kind}"] += 1
             except TimeoutError:
                 bad.append(f"late: fetch by {name} did not answer within {FETCH_TIMEOUT + SLACK + 30}s")
+                os.kill(w.pid, signal.SIGUSR1)  # its stacks go to stderr, for the diagnosis
+                time.sleep(0.5)
                 w.kill()  # its pipe is out of step now: replace it
             finally:
                 if trig is not None and trig.cancel():

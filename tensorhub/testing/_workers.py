@@ -95,6 +95,9 @@ def enter_netns(name: str) -> None:
 def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any, first_done: Any,
                 options: dict) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every stack
     options = dict(options)
     netns = options.pop("netns", None)
     data_host = options.pop("data_host", "127.0.0.1")
