@@ -135,21 +135,14 @@ class PipelinedReader(ShardReader):
             done_any = False
             for h in list(inflight):
                 f = inflight[h]
-                st = self.t.poll(h)
+                st = self._poll_one(inflight, h, fail)
                 if st == PENDING:
-                    if not f.abandoned and time.monotonic() > f.deadline:
-                        f.abandoned = True  # keep polling: the buffer is not ours until it ends
-                        fail(f.source, f"no progress for {f.deadline - f.submitted:.1f}s (hung)")
                     continue
-                del inflight[h]
                 done_any = True
                 last_progress = time.monotonic()
                 self.receiving.discard(f.chunk)
                 if st == 1 and not f.abandoned:
-                    nb = self.chunk_bytes(f.chunk)
-                    stats.nbytes += nb
-                    stats.bytes_by_source[f.source.worker_id] = stats.bytes_by_source.get(f.source.worker_id, 0) + nb
-                    stats.chunks_by_lease.setdefault(f.source.lease_id, []).append(f.chunk)
+                    self._count(stats, f)
                     self.completed.append((f.chunk, f.source.lease_id))
                 else:
                     if st != 1:

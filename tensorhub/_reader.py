@@ -161,6 +161,26 @@ class ShardReader:
             logger.error("%d read batch(es) never ended; their destination memory is quarantined",
                          len(inflight))
 
+    def _poll_one(self, inflight: dict[int, "_Inflight"], h: int, fail: Callable[[Source, str], None]) -> int:
+        """Poll one batch: PENDING (marking its source hung past the deadline, but keeping
+        the batch, whose buffer is not ours until it ends), else drop it and return its status."""
+        f = inflight[h]
+        st = self.t.poll(h)
+        if st == PENDING:
+            if not f.abandoned and time.monotonic() > f.deadline:
+                f.abandoned = True
+                fail(f.source, f"no progress for {f.deadline - f.submitted:.1f}s (hung)")
+            return PENDING
+        del inflight[h]
+        return st
+
+    def _count(self, stats: ReadStats, f: "_Inflight") -> None:
+        """Account a chunk that landed."""
+        nb = self.chunk_bytes(f.chunk)
+        stats.nbytes += nb
+        stats.bytes_by_source[f.source.worker_id] = stats.bytes_by_source.get(f.source.worker_id, 0) + nb
+        stats.chunks_by_lease.setdefault(f.source.lease_id, []).append(f.chunk)
+
     def _loop(self, todo, inflight, failed, sources, stats, fail, get_sources, deadline, on_tick) -> None:
         sleep = self.poll_interval / 8
         while todo or inflight:
@@ -201,19 +221,12 @@ class ShardReader:
             done_any = False
             for h in list(inflight):
                 f = inflight[h]
-                st = self.t.poll(h)
+                st = self._poll_one(inflight, h, fail)
                 if st == PENDING:
-                    if not f.abandoned and time.monotonic() > f.deadline:
-                        f.abandoned = True  # keep polling: the buffer is not ours until it ends
-                        fail(f.source, f"no progress for {f.deadline - f.submitted:.1f}s (hung)")
                     continue
-                del inflight[h]
                 done_any = True
                 if st == DONE and not f.abandoned:
-                    nb = self.chunk_bytes(f.chunk)
-                    stats.nbytes += nb
-                    stats.bytes_by_source[f.source.worker_id] = stats.bytes_by_source.get(f.source.worker_id, 0) + nb
-                    stats.chunks_by_lease.setdefault(f.source.lease_id, []).append(f.chunk)
+                    self._count(stats, f)
                 else:
                     if st != DONE:
                         fail(f.source, f"read failed with code {st}")
