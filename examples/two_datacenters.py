@@ -1,0 +1,239 @@
+"""Two datacenters: a version crosses the slow link once, then fans out on the far side.
+
+The trainer is in datacenter ``a`` next to one engine; three engines are in datacenter
+``b``, behind a slow link. All four engines fetch each new version at the same time. The
+coordinator lets exactly one reader of ``b`` (its *seeder*) read across the link; the other
+two read from the seeder while it is still receiving (pipelined replication), so the
+version crosses the slow link once instead of three times.
+
+By default (as root, with iproute2) the hosts are real network namespaces from
+``benchmarks/testbed.py``: a veth pair per host into a bridge per datacenter, every host
+link shaped to ``--host-rate`` and the link between the datacenters to ``--xdc-rate``
+with ``tc tbf``. The example then counts the bytes that crossed on that link's interface
+counters. ``--net loopback`` runs the same processes on this machine's loopback instead,
+with the datacenters as locality labels only; then only TensorHub's own accounting (the
+bytes each reader got from each source) tells what crossed.
+
+Every fetch is checked against the trainer's sha256. The example ends with ``all bytes
+verified`` and exits 0, or exits 1.
+
+    sudo python examples/two_datacenters.py [--mib 32] [--versions 2] [--net auto|netns|loopback]
+        [--json out/two_datacenters.json]
+
+Each process is this file: ``worker`` as the first argument runs one Hub client that
+takes JSON commands on stdin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's log chatter
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "policy"
+MiB = 1 << 20
+#: host name -> datacenter. The trainer is a0.
+HOSTS = {"a0": "a", "a1": "a", "b0": "b", "b1": "b", "b2": "b"}
+
+
+def weights_for(version_seed: int, mib: int) -> dict:
+    """A version's tensors: fixed by the seed, so every process can tell right bytes from wrong."""
+    import torch
+
+    g = torch.Generator().manual_seed(version_seed)
+    n = 8
+    per = (mib * MiB) // n // 4
+    return {f"model.layers.{i}.mlp.weight": torch.randn(per, generator=g).view(64, -1) for i in range(n)}
+
+
+def checksum(tensors: dict) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        h.update(k.encode())
+        h.update(tensors[k].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------ one process: trainer or engine
+def worker(name: str, url: str) -> int:
+    """The trainer (``publish``) or an engine (``follow``), driven by JSON lines on stdin."""
+    import tensorhub
+
+    hub = tensorhub.connect(url, worker_id=name, locality=f"dc={HOSTS[name]},zone=z,host={name}")
+    hub.endpoint  # start the data plane now rather than in the first timed call
+    published: list[int] = []
+    seen: Optional[int] = None
+    params: Optional[dict] = None
+
+    def say(**kw: Any) -> None:
+        print(json.dumps(kw), flush=True)
+
+    say(ok="ready")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["op"] == "publish":  # trainer: a new version in place; keep the last two
+                w = weights_for(cmd["seed"], cmd["mib"])
+                v = hub.publish(MODEL, w)
+                published.append(v)
+                if len(published) > 2:
+                    hub.unpublish(MODEL, published.pop(0), timeout=60)
+                say(ok={"version": v, "sha256": checksum(w)})
+            elif cmd["op"] == "follow":  # engine: move to the newest version, in place
+                v = hub.wait_for_version(MODEL, newer_than=seen, timeout=60)
+                if params is not None:
+                    hub.unpublish(MODEL, seen, timeout=60)
+                f = hub.fetch(MODEL, v, into=params)
+                params, seen = dict(f), v
+                say(ok={"version": v, "sha256": checksum(f), "seconds": f.seconds, "sources": f.sources})
+        except Exception as e:  # noqa: BLE001 - reported to the driver
+            say(error=f"{type(e).__name__}: {e}")
+    hub.close()
+    return 0
+
+
+class Proc:
+    """The driver's handle on one worker process (in a namespace, or on loopback)."""
+
+    def __init__(self, name: str, url: str, log_dir: Path, tb: Any = None) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        argv = [sys.executable, __file__, "worker", name, url]
+        if tb is not None:
+            self.p = tb.spawn(name, argv, stderr=open(self.log, "w"))
+        else:
+            self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=open(self.log, "w"), text=True)
+        self.recv()  # "ready"
+
+    def send(self, **cmd: Any) -> None:
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+
+    def recv(self) -> Any:
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} exited; its log:\n{self.log.read_text()[-3000:]}")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(f"{self.name}: {msg['error']}")
+        return msg["ok"]
+
+    def call(self, **cmd: Any) -> Any:
+        self.send(**cmd)
+        return self.recv()
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.close()
+                self.p.wait(20)
+            except (OSError, subprocess.TimeoutExpired):
+                self.p.kill()
+                self.p.wait(10)
+
+
+def run(args: argparse.Namespace, tb: Any, url: str, logs: Path) -> dict:
+    procs: list[Proc] = []
+    result: dict = {"mib": args.mib, "net": "netns" if tb is not None else "loopback", "versions": []}
+    try:
+        for name in HOSTS:
+            procs.append(Proc(name, url, logs, tb))
+        trainer, engines = procs[0], procs[1:]
+        for seed in range(1, args.versions + 1):
+            pub = trainer.call(op="publish", seed=seed, mib=args.mib)
+            v, want = pub["version"], pub["sha256"]
+            print(f"trainer (a0) published v{v} ({args.mib} MiB, sha256 {want[:12]})", flush=True)
+            link0 = tb.xdc_bytes()["forward"] if tb is not None else None
+            for e in engines:  # all at once, as engines notified of a new version would
+                e.send(op="follow")
+            row: dict = {"version": v, "fetches": {}, "accounted_crossing": 0}
+            for e in engines:
+                r = e.recv()
+                good = r["version"] == v and r["sha256"] == want
+                far = sum(n for w, n in r["sources"].items() if HOSTS[w] != HOSTS[e.name])
+                row["fetches"][e.name] = {**r, "bytes_ok": good, "from_other_dc": far}
+                row["accounted_crossing"] += far
+                src = ", ".join(f"{w} {n / MiB:.1f} MiB" for w, n in sorted(r["sources"].items()))
+                print(f"  {e.name} (dc {HOSTS[e.name]}) fetched v{r['version']} in {r['seconds']:.2f}s "
+                      f"from [{src}]  bytes {'OK' if good else 'WRONG'}", flush=True)
+            size = args.mib * MiB
+            row["accounted_x"] = row["accounted_crossing"] / size
+            line = f"  crossed a->b: {row['accounted_x']:.2f}x the version (readers' accounting)"
+            if tb is not None:
+                row["link_bytes"] = tb.xdc_bytes()["forward"] - link0
+                row["link_x"] = row["link_bytes"] / size
+                line += f", {row['link_x']:.2f}x on the link's counters (TCP/IP headers included)"
+            print(line, flush=True)
+            result["versions"].append(row)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    result["all_bytes_ok"] = all(f["bytes_ok"] for row in result["versions"] for f in row["fetches"].values())
+    return result
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        return worker(*sys.argv[2:4])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=32, help="size of each version in MiB")
+    ap.add_argument("--versions", type=int, default=2)
+    ap.add_argument("--net", choices=["auto", "netns", "loopback"], default="auto",
+                    help="netns: emulated hosts and shaped links (root); loopback: labels only; "
+                         "auto: netns when this machine can")
+    ap.add_argument("--host-rate", default="1gbit", help="each host's link (netns only)")
+    ap.add_argument("--xdc-rate", default="100mbit", help="the link between the datacenters (netns only)")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import testbed  # benchmarks/testbed.py
+
+    use_netns = args.net == "netns"
+    if args.net == "auto":
+        use_netns, why = testbed.available()
+        if not use_netns:
+            print(f"(no network namespaces here: {why}; running on loopback, datacenters as labels)")
+    elif use_netns:
+        ok, why = testbed.available()
+        if not ok:
+            print(f"testbed unavailable: {why}", file=sys.stderr)
+            return 2
+
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(tmp)
+        if use_netns:
+            with testbed.Testbed({"a": 2, "b": 3}, host_rate=args.host_rate, xdc_rate=args.xdc_rate) as tb:
+                url = tb.start_coordinator(str(logs / "state"))
+                print(f"testbed: datacenter a = a0 (trainer), a1; datacenter b = b0, b1, b2; hosts at "
+                      f"{args.host_rate}, a<->b at {args.xdc_rate}; coordinator {url}", flush=True)
+                result = run(args, tb, url, logs)
+        else:
+            from tensorhub.coordinator import EmbeddedCoordinator
+
+            with EmbeddedCoordinator(logs / "state") as coord:
+                print(f"loopback: datacenter labels a = a0 (trainer), a1; b = b0, b1, b2; "
+                      f"coordinator {coord.url}", flush=True)
+                result = run(args, None, coord.url, logs)
+    ok = result["all_bytes_ok"]
+    print("all bytes verified" if ok else "BYTE MISMATCH")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
