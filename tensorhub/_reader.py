@@ -24,6 +24,9 @@ from typing import Callable, Optional
 from ._exceptions import FetchError, TransferError
 from .transport import DONE, MAX_BATCH_ENTRIES, MAX_ENTRY_BYTES, PENDING, ReadOp, Transport
 
+#: What _poll_one answers for a batch the transport withdrew before it sent anything.
+_CANCELLED = -125
+
 __all__ = ["Source", "ShardReader", "ReadStats"]
 
 logger = logging.getLogger(__name__)
@@ -77,6 +80,8 @@ class ShardReader:
         self.chunks = self._cut(chunk_bytes)
         #: True when a run ended with a batch that may still write into local memory.
         self.stuck = False
+        #: The running (or last) run's counts, updated as chunks land.
+        self.live: Optional[ReadStats] = None
 
     def _cut(self, chunk_bytes: int) -> list[list[tuple[int, int, int]]]:
         """Chunks as lists of (tensor index, offset in tensor, length)."""
@@ -118,6 +123,7 @@ class ShardReader:
         """Read ``chunks`` (default: all). ``get_sources(excluded_replica_ids)`` returns fresh
         sources or raises; ``report(source, reason)`` tells the coordinator about a failure."""
         stats = ReadStats()
+        self.live = stats  # read by the caller's on_tick (progress)
         todo = deque(range(len(self.chunks)) if chunks is None else chunks)
         inflight: dict[int, _Inflight] = {}
         failed: set[str] = set()
@@ -130,8 +136,8 @@ class ShardReader:
             failed.add(src.replica_id)
             stats.failed_sources.append(src.replica_id)
             sources[:] = [s for s in sources if s.replica_id != src.replica_id]
-            logger.warning("source %s (%s) failed: %s; continuing from other replicas",
-                           src.worker_id, src.endpoint, reason)
+            logger.warning("source %s (replica %s, %s) failed: %s; continuing from other replicas",
+                           src.worker_id, src.replica_id, src.endpoint, reason)
             try:
                 report(src, reason)
             except Exception as e:  # reporting is best effort
@@ -170,6 +176,9 @@ class ShardReader:
             if not f.abandoned and time.monotonic() > f.deadline:
                 f.abandoned = True
                 fail(f.source, f"no progress for {f.deadline - f.submitted:.1f}s (hung)")
+                if self.t.cancel(h):  # it never went out (e.g. stuck in a handshake): re-read now
+                    del inflight[h]
+                    return _CANCELLED
             return PENDING
         del inflight[h]
         return st

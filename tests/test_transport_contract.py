@@ -607,3 +607,54 @@ def test_multiprocess_read_hung_and_dead_source():
                 p.kill()
                 p.join(10)
         reader.close()
+
+
+@pytest.mark.multiprocess
+def test_multiprocess_first_contact_with_a_stopped_peer_does_not_block():
+    """The first read from a peer makes Mooncake's handshake, which blocks ~60 s on a peer
+    that accepts connections but never answers. submit_read returns at once instead; the
+    batch is PENDING, can be cancelled (and then writes nothing), and batches submitted
+    meanwhile go out once the peer answers."""
+    _need_mooncake()
+    n, seed = 1 << 20, 5
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    server = ctx.Process(target=_serve, args=(q, n, seed), daemon=True)
+    server.start()
+    reader = MooncakeTransport(host="127.0.0.1")
+    try:
+        endpoint, remote = q.get(timeout=60)
+        reader.start()
+        expect = pattern(n, seed)
+        d = np.zeros(n, dtype=np.uint8)
+        reader.register(addr(d), n)
+        half = n // 2
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            first = reader.submit_read(endpoint, [ReadOp(addr(d), remote, half)])
+            second = reader.submit_read(endpoint, [ReadOp(addr(d, half), remote + half, half)])
+            assert time.monotonic() - t0 < 2.0
+            time.sleep(1.0)
+            assert reader.poll(first) == PENDING and reader.poll(second) == PENDING
+            assert reader.cancel(first) is True
+            with pytest.raises(TransferError):
+                reader.poll(first)  # freed by cancel
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert wait(reader, second, timeout=30) == DONE
+        assert np.array_equal(d[half:], expect[half:])
+        assert not d[:half].any()  # the cancelled batch never wrote
+        assert reader.cancel(second) is False  # finished handles cannot be cancelled
+        assert read(reader, endpoint, [ReadOp(addr(d), remote, half)]) == DONE
+        assert np.array_equal(d, expect)
+    finally:
+        if server.is_alive():
+            server.kill()
+            server.join(10)
+        reader.close()
+
+
+def test_cancel_of_an_unknown_handle_is_refused(env):
+    dst, _ = env.sink(1 << 12)
+    assert dst.cancel(987654) is False

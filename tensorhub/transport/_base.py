@@ -21,6 +21,10 @@ Lifecycle (who calls what):
   error code, and frees the handle once it returned anything but ``PENDING``.
   A batch that has not reached a terminal state may still write into its
   destination: the caller must not reuse that memory until ``poll`` says so.
+* ``cancel(handle)`` -- a reader that gave up on a pending batch: ``True`` frees the
+  handle and guarantees the batch never writes into its destination (it had not
+  started); ``False`` changes nothing (keep polling). A transport may always say
+  ``False``.
 * ``close()`` -- once; unregisters everything. Idempotent.
 
 Errors are raised as :class:`tensorhub.TransferError` (op, peer, code).
@@ -162,6 +166,11 @@ class Transport(ABC):
     @abstractmethod
     def poll(self, handle: int) -> int:
         """``PENDING`` (0), ``DONE`` (1) or a negative error code; frees the handle when terminal."""
+
+    def cancel(self, handle: int) -> bool:
+        """Withdraw a pending batch that has not started writing; ``True`` if it was
+        (the handle is freed and nothing will land), ``False`` to keep polling it."""
+        return False
 
     def _check_batch(self, peer: str, ops: Sequence[ReadOp]) -> None:
         if self._closed:

@@ -26,11 +26,19 @@ Facts about the engine (Mooncake 0.3.13) this module is built around:
   use-after-free. Callers only ever see small integer handles.
 * Over TCP the engine does not check that a read's local destination is
   registered (RDMA would fail); this transport checks it, as the contract asks.
+* The first read from a peer runs the P2P handshake inside
+  ``batch_transfer_async_read``, synchronously (the GIL released): a peer that
+  accepts the connection but never answers (stopped, wedged) blocks the caller
+  for about a minute. So the first contact with a peer happens on a connector
+  thread, with a one-byte read into the transport's own scratch buffer; the
+  batches submitted meanwhile wait (``poll`` says ``PENDING``) and, having sent
+  nothing, can be cancelled by a reader that gives up on that peer.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import importlib
 import itertools
 import logging
@@ -49,6 +57,9 @@ from ._base import DONE, PENDING, ReadOp, Transport
 __all__ = ["MooncakeTransport", "mooncake_available"]
 
 logger = logging.getLogger(__name__)
+
+#: Engines a close() could not destroy (a connector thread was still inside one).
+_LEAKED: list[Any] = []
 
 #: Mooncake's own variable: seconds a TCP read may make no progress before it fails.
 PROGRESS_TIMEOUT_VAR = "MC_TCP_PROGRESS_TIMEOUT_SEC"
@@ -138,7 +149,8 @@ class _Batch:
     ``ops[submitted:]`` wait for a free per-peer slot.
     """
 
-    __slots__ = ("peer", "ops", "bids", "submitted", "checked", "code", "lock", "finished")
+    __slots__ = ("peer", "ops", "bids", "submitted", "checked", "code", "lock", "finished",
+                 "connecting", "connected")
 
     def __init__(self, peer: str, ops: list[ReadOp]) -> None:
         self.peer = peer
@@ -149,6 +161,9 @@ class _Batch:
         self.code = 0  # first negative code seen; 0 while none
         self.lock = threading.Lock()
         self.finished = False
+        #: Waiting for the peer's handshake: nothing submitted yet.
+        self.connecting = False
+        self.connected = threading.Event()  # set when connecting ends, either way
 
 
 class MooncakeTransport(Transport):
@@ -173,6 +188,9 @@ class MooncakeTransport(Transport):
 
     #: Entries one transport keeps in flight to one peer, over all its handles.
     max_inflight_per_peer: int = 1024
+    #: Seconds ``submit_read`` waits for a first handshake with a peer before it returns
+    #: a pending handle (so a refused peer still fails at submit, a hung one does not block).
+    connect_wait: float = 0.5
 
     def __init__(
         self,
@@ -196,6 +214,11 @@ class MooncakeTransport(Transport):
         self._batches: dict[int, _Batch] = {}
         self._handles = itertools.count(1)
         self._closing = False
+        self._contacted: set[str] = set()  # peers whose handshake succeeded
+        self._connecting: dict[str, list[_Batch]] = {}  # peer -> batches waiting for it
+        self._connectors: list[threading.Thread] = []
+        self._scratch: Any = None  # the connectors' one-byte destination
+        self._leak_engine = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -222,6 +245,10 @@ class MooncakeTransport(Transport):
                 raise TransferError(
                     "start", "", rc, f"TransferEngine.initialize({self._host!r}, {protocol!r}) failed"
                 )
+            self._scratch = ctypes.create_string_buffer(64)
+            rc = te.register_memory(ctypes.addressof(self._scratch), 64)
+            if rc != 0:
+                raise TransferError("register", "", rc, "could not register the handshake scratch buffer")
             self._te = te
             self._endpoint = f"{self._host}:{te.get_rpc_port()}"
             logger.info("Mooncake transport (%s) listening at %s", protocol, self._endpoint)
@@ -253,6 +280,12 @@ class MooncakeTransport(Transport):
             return
         self._closing = True
         deadline = time.monotonic() + self._progress_timeout + 5.0
+        for thread in list(self._connectors):  # no engine call may outlive the engine
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._connectors):
+            logger.warning("close(): a handshake with a peer is still blocked in the engine; "
+                           "the engine is left running")
+            self._leak_engine = True  # destroying it under that call would crash the process
         for handle, rec in list(self._batches.items()):
             with rec.lock:
                 del rec.ops[rec.submitted :]  # nothing new goes out
@@ -273,6 +306,11 @@ class MooncakeTransport(Transport):
         te, self._te = self._te, None
         if te is None:
             return
+        if self._leak_engine:
+            _LEAKED.append(te)
+            return
+        if self._scratch is not None:
+            te.unregister_memory(ctypes.addressof(self._scratch))
         _wake_handshake_listener(self._host, te.get_rpc_port())
         del te  # the engine's destructor stops its threads and closes its ports
 
@@ -331,15 +369,62 @@ class MooncakeTransport(Transport):
         te = self._engine("read", peer)
         self._check_local(peer, ops)
         rec = _Batch(peer, list(ops))
+        with self._lock:
+            if peer not in self._contacted:
+                rec.connecting = True
+                waiting = self._connecting.setdefault(peer, [])
+                waiting.append(rec)
+                if len(waiting) == 1:
+                    thread = threading.Thread(target=self._connect, args=(te, peer, ops[0].remote_addr),
+                                              name=f"tensorhub-connect-{peer}", daemon=True)
+                    self._connectors = [t for t in self._connectors if t.is_alive()] + [thread]
+                    thread.start()
+        if rec.connecting and rec is self._connecting_first(peer):
+            rec.connected.wait(self.connect_wait)
         with rec.lock:
-            self._submit_more(te, rec)
-            if rec.code < 0 and rec.submitted == 0:
+            if not rec.connecting:
+                self._submit_more(te, rec)
+            if not rec.connecting and rec.code < 0 and rec.submitted == 0:
                 raise TransferError(
                     "read", peer, rec.code, "the engine refused the batch (peer unreachable?)"
                 )
             handle = next(self._handles)
             self._batches[handle] = rec
         return handle
+
+    def _connecting_first(self, peer: str) -> _Batch | None:
+        with self._lock:
+            waiting = self._connecting.get(peer)
+            return waiting[0] if waiting else None
+
+    def _connect(self, te: Any, peer: str, remote_addr: int) -> None:
+        """Connector thread: the first (handshake-making) read from ``peer``, one byte into
+        the scratch buffer; then hand the waiting batches over to normal submission."""
+        t0 = time.monotonic()
+        try:
+            bid = te.batch_transfer_async_read(peer, [ctypes.addressof(self._scratch)], [remote_addr], [1])
+        except Exception as exc:  # pragma: no cover - the binding raises nothing we know of
+            logger.warning("handshake with %s raised %s", peer, exc)
+            bid = 0
+        with self._lock:
+            if bid > 0:
+                self._contacted.add(peer)
+            waiting = self._connecting.pop(peer, [])
+        if bid <= 0 or time.monotonic() - t0 > 1.0:
+            logger.info("handshake with %s %s after %.1f s", peer, "succeeded" if bid > 0 else "failed",
+                        time.monotonic() - t0)
+        for rec in waiting:
+            with rec.lock:
+                rec.connecting = False
+                if bid <= 0:
+                    rec.code = rec.code or -1
+                elif not rec.finished and not self._closing:
+                    self._submit_more(te, rec)
+            rec.connected.set()
+        if bid > 0:  # reap the one-byte read (the engine frees it once terminal)
+            end = time.monotonic() + self._progress_timeout + 5.0
+            while te.transfer_check_status(bid) in (0, -2) and time.monotonic() < end:
+                time.sleep(0.001)
 
     def _submit_more(self, te: Any, rec: _Batch) -> None:
         """Submit waiting entries of ``rec`` while the peer has free slots (rec.lock held)."""
@@ -401,6 +486,8 @@ class MooncakeTransport(Transport):
         with rec.lock:
             if rec.finished:
                 raise TransferError("poll", rec.peer, -1, f"unknown read handle {handle}")
+            if rec.connecting:
+                return PENDING
             idle = self._check_inflight(rec)
             if rec.code == 0 and rec.submitted < len(rec.ops):
                 self._submit_more(self._te, rec)
@@ -413,3 +500,19 @@ class MooncakeTransport(Transport):
             logger.debug("read of %d entries from %s failed: %d", len(rec.ops), rec.peer, rec.code)
             return rec.code
         return DONE
+
+    def cancel(self, handle: int) -> bool:
+        """``True`` for a batch still waiting for its peer's handshake (it never goes out)."""
+        rec = self._batches.get(handle)
+        if rec is None:
+            return False
+        with rec.lock:
+            if not rec.connecting or rec.finished:
+                return False
+            rec.finished = True
+            self._batches.pop(handle, None)
+        with self._lock:
+            waiting = self._connecting.get(rec.peer, [])
+            if rec in waiting:
+                waiting.remove(rec)
+        return True
