@@ -220,6 +220,7 @@ def main() -> int:
                 print(f"testbed: datacenter a = a0 (trainer), a1; datacenter b = b0, b1, b2; hosts at "
                       f"{args.host_rate}, a<->b at {args.xdc_rate}; coordinator {url}", flush=True)
                 result = run(args, tb, url, logs)
+                result["testbed_namespaces"] = list(tb.namespaces)
         else:
             from tensorhub.coordinator import EmbeddedCoordinator
 
