@@ -107,7 +107,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _follow(args: argparse.Namespace) -> int:
-    from integrations.vllm.follow import main as follow_main  # imports no engine at module level
+    # imports no engine at module level; --engine sglang+http://... picks the SGLang driver
+    if any(a.split("=", 1)[-1].startswith("sglang+") for a in args.rest):
+        from integrations.sglang.follow import main as follow_main
+    else:
+        from integrations.vllm.follow import main as follow_main
 
     return follow_main(args.rest)
 
