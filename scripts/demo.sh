@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the demo: embedded coordinator, a publisher, two readers.
+# Set up (scripts/setup.sh) and run the demo: an embedded coordinator, a trainer that trains a tiny
+# Llama and publishes each version, two vLLM engines following every version, a third joining
+# midway. Summary table on stdout; out/demo.json, out/demo_timeline.png, out/logs/. See examples/demo.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
