@@ -25,6 +25,11 @@ Invariants this module keeps (DESIGN.md, "Protocol and its invariants"):
    pipelined readers and only for chunks its holder reported complete under a lease that
    was valid at that moment; it never counts for completeness or retention. Source
    choice and seeding are ``_planner``'s pure functions.
+
+Observability (no decision depends on it): readers report their fetches
+(``record_fetch``: live progress while running, bytes per source at the end) and engines
+their swaps (``record_swap``); each worker's served leases and bytes are counted here and
+answered on its heartbeat; ``metrics_view`` is what ``/metrics`` shows of the state.
 """
 
 from __future__ import annotations
@@ -46,11 +51,13 @@ from ._planner import (
 )
 from ._wire import (
     AcquireLease,
+    FetchReport,
     LeaseGrant,
     Locality,
     Manifest,
     RegisterReplica,
     ReplicaInfo,
+    SwapReport,
     first_difference,
 )
 
@@ -58,6 +65,13 @@ __all__ = ["StateConfig", "CoordinatorState", "Write"]
 
 #: A durable change: (table, key tuple, value). See ``_store.py``.
 Write = tuple
+
+#: A running fetch not reported for this long is dropped from the live table (seconds).
+FETCH_STALE = 10.0
+#: Most running fetches the live table keeps (more are not shown, still counted at the end).
+MAX_LIVE_FETCHES = 10_000
+#: ``locality_cost`` -> the ``distance`` label of fetched bytes.
+DISTANCES = ("same_host", "same_zone", "same_datacenter", "other_datacenter")
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,10 @@ class Worker:
     locality: Locality
     last_seen: float
     registered_at: float
+    #: Since this coordinator started: leases naming its replicas, bytes readers reported
+    #: reading from it (answered on each heartbeat: the holder cannot see one-sided reads).
+    served_leases: int = 0
+    served_bytes: int = 0
 
 
 @dataclass
@@ -166,6 +184,8 @@ class CoordinatorState:
         #: (model, version, layout, shard, level, *group) -> (seeder worker id, named at);
         #: level and group as in ``_planner.group_key`` (host, zone, datacenter).
         self.seeders: dict[tuple, tuple[str, float]] = {}
+        #: (worker, model, version, layout, shard) -> (last report of a running fetch, at)
+        self.fetching: dict[tuple, tuple[FetchReport, float]] = {}
         self._ids = itertools.count(1)
         self._writes: list[Write] = []
 
@@ -215,13 +235,17 @@ class CoordinatorState:
         old = self.workers.get(worker_id)
         if old is not None and old.endpoint != endpoint:
             self._drop_worker_replicas(worker_id)
-        self.workers[worker_id] = Worker(worker_id, endpoint, locality, now, now if old is None else old.registered_at)
+        w = self.workers[worker_id] = Worker(worker_id, endpoint, locality, now,
+                                             now if old is None else old.registered_at)
+        if old is not None:
+            w.served_leases, w.served_bytes = old.served_leases, old.served_bytes
 
-    def heartbeat(self, now: float, worker_id: str) -> None:
+    def heartbeat(self, now: float, worker_id: str) -> Worker:
         w = self.workers.get(worker_id)
         if w is None:
             raise NotFoundError(404, f"unknown worker {worker_id!r}; register again", "unknown_worker")
         w.last_seen = now
+        return w
 
     def remove_worker(self, now: float, worker_id: str) -> int:
         """A client closes: its replicas and leases go. Returns how many replicas went."""
@@ -256,6 +280,8 @@ class CoordinatorState:
             del self.groups[key]
         for key in [k for k, (wid, _) in self.seeders.items() if wid not in self.workers]:
             del self.seeders[key]
+        for key in [k for k, (_, at) in self.fetching.items() if now > at + FETCH_STALE]:
+            del self.fetching[key]
         return dead
 
     # ----------------------------------------------------------------- versions
@@ -462,13 +488,15 @@ class CoordinatorState:
             del self.replicas[rid]
         return True, 0
 
-    def report(self, now: float, replica_id: str, reporter: str, reason: str) -> None:
-        """A reader saw ``replica_id`` fail: give it no new leases for ``suspect_ttl``."""
+    def report(self, now: float, replica_id: str, reporter: str, reason: str) -> Optional[Replica]:
+        """A reader saw ``replica_id`` fail: give it no new leases for ``suspect_ttl``.
+        Returns the replica (None if it is already gone)."""
         self._worker(reporter)
         r = self.replicas.get(replica_id)
         if r is None:
-            return  # already gone
+            return None  # already gone
         r.suspect_until = now + self.config.suspect_ttl
+        return r
 
     # ----------------------------------------------------------------- leases
     def acquire_lease(self, now: float, req: AcquireLease) -> LeaseGrant:
@@ -549,8 +577,9 @@ class CoordinatorState:
             lease = Lease(lid, req.worker_id, req.model, req.version, req.layout, req.shard, ids, now,
                           now + self.config.lease_ttl, start_fraction(len(arrivals)), start_reverse(len(arrivals)))
             self.leases[lid] = lease
-            for _, r, _ in chosen:
+            for _, r, w in chosen:
                 r.served += 1
+                w.served_leases += 1
         # A scarce complete source (the publisher, the slow link) is split between readers
         # near each other, not raced for (_planner.claims / reserve_chunks).
         held_back: dict[str, frozenset] = {}
@@ -630,6 +659,63 @@ class CoordinatorState:
             )
         return now <= l.expires
 
+    # ----------------------------------------------------------------- observability
+    def record_fetch(self, now: float, req: FetchReport) -> dict[str, int]:
+        """A reader reports a fetch: running (kept in the live table ``status`` shows) or
+        ended (dropped from it; its bytes are credited to the source workers). Only models
+        this coordinator knows are accepted, which bounds the label sets of ``/metrics``.
+        Returns an ended fetch's bytes by distance (``DISTANCES``, or ``unknown`` for a
+        worker no longer registered); ``{}`` for a running one."""
+        self._model(req.model)
+        key = (req.worker_id, req.model, req.version, req.layout, req.shard)
+        if req.state == "running":
+            if key in self.fetching or len(self.fetching) < MAX_LIVE_FETCHES:
+                self.fetching[key] = (req, now)
+            return {}
+        self.fetching.pop(key, None)
+        reader = self.workers.get(req.worker_id)
+        by_distance: dict[str, int] = {}
+        for wid, n in req.sources.items():
+            src = self.workers.get(wid)
+            if src is not None and wid != req.worker_id:
+                src.served_bytes += n
+            d = "unknown" if src is None or reader is None else \
+                DISTANCES[locality_cost(reader.locality, src.locality)]
+            by_distance[d] = by_distance.get(d, 0) + n
+        return by_distance
+
+    def record_swap(self, now: float, req: SwapReport) -> None:
+        """An engine reports a swap (only known models are accepted; see ``record_fetch``)."""
+        self._model(req.model)
+
+    def metrics_view(self, now: float) -> dict:
+        """What ``/metrics`` shows of the state: per model, its latest complete version,
+        version counter, versions with a replica, replicas by state, bytes held by serving
+        complete replicas, open leases; and the worker count."""
+        models: dict[str, dict] = {}
+        for name, m in self.models.items():
+            models[name] = {"latest": self.latest(name), "counter": m.counter, "held_versions": set(),
+                            "replicas": {"serving": 0, "partial": 0, "suspect": 0, "draining": 0},
+                            "bytes": 0, "leases": 0}
+        for r in self.replicas.values():
+            mv = models.get(r.model)
+            if mv is None:
+                continue
+            state = "draining" if r.draining else "suspect" if r.suspect_until > now else \
+                "partial" if r.chunks is not None else "serving"
+            mv["replicas"][state] += 1
+            if state == "serving":
+                mv["held_versions"].add(r.version)
+                li = self.models[r.model].versions[r.version].layouts.get(r.layout)
+                man = li.manifests.get(r.shard) if li is not None else None
+                mv["bytes"] += man.nbytes if man is not None else 0
+        for l in self.leases.values():
+            if l.expires >= now and l.model in models:
+                models[l.model]["leases"] += 1
+        for mv in models.values():
+            mv["held_versions"] = len(mv["held_versions"])
+        return {"workers": len(self.workers), "models": models}
+
     # ----------------------------------------------------------------- views
     def status(self, now: float) -> dict:
         """Everything ``tensorhub status`` shows."""
@@ -666,7 +752,8 @@ class CoordinatorState:
             "models": models,
             "workers": [
                 {"worker_id": w.worker_id, "endpoint": w.endpoint, "locality": w.locality.model_dump(),
-                 "last_seen_ago": round(now - w.last_seen, 3)}
+                 "last_seen_ago": round(now - w.last_seen, 3), "served_leases": w.served_leases,
+                 "served_bytes": w.served_bytes}
                 for w in self.workers.values()
             ],
             "leases": [
@@ -674,6 +761,14 @@ class CoordinatorState:
                  "layout": l.layout, "shard": l.shard, "replicas": list(l.replica_ids),
                  "expires_in": round(l.expires - now, 3)}
                 for l in self.leases.values() if l.expires >= now
+            ],
+            # Fetches running now (readers report about once a second, fetches over a second).
+            "fetches": [
+                {"worker_id": f.worker_id, "model": f.model, "version": f.version, "layout": f.layout,
+                 "shard": f.shard, "nbytes": f.nbytes, "total": f.total, "seconds": f.seconds,
+                 "sources": dict(f.sources), "failed_sources": f.failed_sources,
+                 "reported_ago": round(now - at, 3)}
+                for f, at in self.fetching.values() if now <= at + FETCH_STALE
             ],
         }
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -221,6 +221,48 @@ class ReportChunks(_Model):
 class Report(_Model):
     worker_id: Ident
     reason: Annotated[str, Field(max_length=1024)] = ""
+
+
+#: Seconds in a report (a fetch, a swap): finite, at most about four months.
+Seconds = Annotated[float, Field(ge=0.0, le=1e7, allow_inf_nan=False)]
+Bytes = Annotated[int, Field(ge=0, le=MAX_TENSOR_BYTES)]
+
+
+class FetchReport(_Model):
+    """A reader's fetch of one shard, for ``/metrics`` and ``status``: about once a second
+    while it runs (``state="running"``, only fetches longer than a second) and once when it
+    ended (``"ok"`` or ``"failed"``). Optional telemetry: old clients never send it, and the
+    reader goes on whatever the answer."""
+
+    worker_id: Ident
+    model: ModelName
+    version: Version
+    layout: Name = "hf"
+    shard: Shard = 0
+    state: Literal["running", "ok", "failed"] = "ok"
+    #: Bytes read so far (running) or in all (ok, failed).
+    nbytes: Bytes = 0
+    #: Bytes of the shard (0: unknown).
+    total: Bytes = 0
+    seconds: Seconds = 0.0
+    #: Bytes read from each source worker.
+    sources: dict[Ident, Bytes] = Field(default_factory=dict, max_length=1024)
+    #: Sources that failed during the fetch (each was also reported on its own).
+    failed_sources: Annotated[int, Field(ge=0, le=1 << 20)] = 0
+
+
+class SwapReport(_Model):
+    """An engine switched to ``version`` (or failed to): how long it stalled serving."""
+
+    worker_id: Ident
+    model: ModelName
+    version: Version
+    #: Seconds the engine did not serve (start of the update to its end).
+    stall: Seconds
+    #: Of which fetching, and applying the weights to the model.
+    fetch_seconds: Optional[Seconds] = None
+    apply_seconds: Optional[Seconds] = None
+    ok: bool = True
 
 
 # ---------------------------------------------------------------- answers

@@ -6,6 +6,12 @@ lock, asks the state machine, commits the durable writes to SQLite, then answers
 Its clock is ``time.time()``. The API is versioned under ``/v1``; ``/openapi.json``
 describes it. With a token configured every endpoint but ``/healthz`` needs
 ``Authorization: Bearer <token>`` (compared in constant time, never logged).
+
+``GET /metrics`` serves Prometheus metrics (``tensorhub._metrics.CoordinatorMetrics``),
+under the same token rule: a scraper sends the token as a bearer token (Prometheus:
+``authorization: {credentials_file: FILE}`` in the scrape config). Metrics name models
+and count workers, which the token keeps from whoever else reaches the port; with no
+token configured it is open like every other route.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from ._exceptions import CoordinatorError
+from ._metrics import CoordinatorMetrics
 from ._state import CoordinatorState, StateConfig
 from ._store import SqliteStore
 from ._wire import (
@@ -34,12 +41,14 @@ from ._wire import (
     MAX_VERSION,
     AcquireLease,
     AllocateVersion,
+    FetchReport,
     LeaseGrant,
     RegisterReplica,
     RegisterWorker,
     Report,
     ReportChunks,
     Resolve,
+    SwapReport,
     Unpublish,
 )
 
@@ -71,6 +80,8 @@ class Coordinator:
         self.store.open()
         self.lock = threading.Lock()
         self.state = CoordinatorState.restore(self.store.load(), config, now=clock())
+        self.metrics = CoordinatorMetrics(lambda: self.read(lambda: self.state.metrics_view(self.clock())),
+                                          start_time=time.time())
         logger.info(
             "coordinator epoch %s on %s (%d models restored)",
             self.state.epoch, self.store.path, len(self.state.models),
@@ -101,6 +112,7 @@ class Coordinator:
         fresh = CoordinatorState.restore(self.store.load(), self.config, now=self.clock())
         fresh.epoch, fresh.boot_time, fresh.restored = self.state.epoch, self.state.boot_time, self.state.restored
         fresh.workers, fresh.replicas, fresh.leases = self.state.workers, self.state.replicas, self.state.leases
+        fresh.fetching = self.state.fetching
         self.state = fresh
 
     def expire(self) -> None:
@@ -179,11 +191,21 @@ class _FastHeartbeat:
             return await self.app(scope, receive, send)
         wid = m.group(1)
         try:
-            self.coord.call(lambda now: self.coord.state.heartbeat(now, wid))
-            resp = JSONResponse({"epoch": self.coord.state.epoch})
+            w = self.coord.call(lambda now: self.coord.state.heartbeat(now, wid))
+            resp = JSONResponse(_heartbeat_answer(self.coord, w))
         except CoordinatorError as e:
             resp = JSONResponse({"code": e.code or "error", "detail": e.message}, e.status or 500)
         await resp(scope, receive, send)
+
+
+def _heartbeat_answer(coord: Coordinator, w: Any) -> dict:
+    """The epoch, and what the worker served since this coordinator started (its Hub turns
+    these totals into its ``tensorhub_hub_served_*`` counters)."""
+    return {"epoch": coord.state.epoch, "served_leases": w.served_leases, "served_bytes": w.served_bytes}
+
+
+class _PrometheusText(Response):
+    media_type = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
@@ -237,8 +259,8 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
     async def heartbeat(worker_id: str = _id()) -> dict:
-        coord.call(lambda now: st().heartbeat(now, worker_id))
-        return {"epoch": coord.state.epoch}
+        w = coord.call(lambda now: st().heartbeat(now, worker_id))
+        return _heartbeat_answer(coord, w)
 
     @app.delete("/v1/workers/{worker_id}")
     async def remove_worker(worker_id: str = _id()) -> dict:
@@ -278,19 +300,29 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     @app.post("/v1/replicas")
     def register_replica(req: RegisterReplica) -> dict:
         rid, complete = coord.call(lambda now: st().register_replica(now, req))
+        logger.log(logging.DEBUG if req.partial else logging.INFO,
+                   "replica %s: %s v%d layout %r shard %d/%d on worker %s%s", rid, req.model, req.version,
+                   req.layout, req.shard, req.num_shards, req.worker_id,
+                   " (partial)" if req.partial else " (version complete)" if complete else "")
         return {"replica_id": rid, "complete": complete}
 
     @app.post("/v1/models/{model}/versions/{version}/unpublish")
     async def unpublish(req: Unpublish, model: str = _model(), version: int = _version()) -> dict:
         drained, open_ = coord.call(lambda now: st().unpublish(now, req.worker_id, model, version,
                                                                  req.replica_ids))
+        if drained:
+            logger.info("worker %s unpublished %s v%d", req.worker_id, model, version)
         return {"drained": drained, "open_leases": open_}
 
     @app.post("/v1/replicas/{replica_id}/report")
     async def report(req: Report, replica_id: str = _id()) -> dict:
-        coord.call(lambda now: st().report(now, replica_id, req.worker_id, req.reason))
+        r = coord.call(lambda now: st().report(now, replica_id, req.worker_id, req.reason))
+        if r is not None:
+            coord.metrics.source_failures.labels(r.model).inc()
         # %r: a reason with newlines or control characters cannot forge log lines
-        logger.warning("replica %s reported failing by %s: %r", replica_id, req.worker_id, req.reason)
+        logger.warning("replica %s (%s, %s v%s) reported failing by %s: %r", replica_id,
+                       r.worker_id if r else "gone", r.model if r else "-", r.version if r else "-",
+                       req.worker_id, req.reason)
         return {}
 
     @app.post("/v1/replicas/{replica_id}/chunks")
@@ -302,6 +334,8 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     @app.post("/v1/leases", response_model=LeaseGrant)
     async def acquire(req: AcquireLease) -> Response:
         grant = coord.call(lambda now: st().acquire_lease(now, req))
+        if grant.lease_id != req.lease_id:
+            coord.metrics.leases_granted.labels(grant.model).inc()
         # Already a validated LeaseGrant: serialize once (response_model would re-validate it).
         return Response(grant.model_dump_json(), media_type="application/json")
 
@@ -316,6 +350,39 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     @app.get("/v1/status")
     def status() -> dict:
         return coord.read(lambda: st().status(coord.clock()))
+
+    @app.post("/v1/fetches")
+    async def fetch_report(req: FetchReport) -> dict:
+        """A reader reports a fetch: while it runs (shown by ``status``) and when it ended
+        (counted in ``/metrics``). Only models the coordinator knows are accepted."""
+        by_distance = coord.call(lambda now: st().record_fetch(now, req))
+        if req.state != "running":
+            coord.metrics.fetch(req.model, req.state, by_distance, req.nbytes, req.seconds)
+            gbps = req.nbytes / req.seconds / 1e9 if req.seconds > 0 else 0.0
+            logger.log(logging.INFO if req.state == "ok" else logging.WARNING,
+                       "fetch of %s v%d layout %r shard %d by %s %s: %.1f MB in %.3fs (%.2f GB/s) from %s%s",
+                       req.model, req.version, req.layout, req.shard, req.worker_id, req.state,
+                       req.nbytes / 1e6, req.seconds, gbps, dict(sorted(req.sources.items())[:8]),
+                       f", {req.failed_sources} failed source(s)" if req.failed_sources else "")
+        return {}
+
+    @app.post("/v1/swaps")
+    async def swap_report(req: SwapReport) -> dict:
+        """An engine reports switching to a version: its stall feeds
+        ``tensorhub_swap_stall_seconds``. Only models the coordinator knows are accepted."""
+        coord.call(lambda now: st().record_swap(now, req))
+        coord.metrics.swap(req.model, req.stall, req.ok)
+        logger.info("engine %s %s %s v%d: stall %.3fs%s", req.worker_id,
+                    "swapped to" if req.ok else "failed to swap to", req.model, req.version, req.stall,
+                    "" if req.fetch_seconds is None else f" (fetch {req.fetch_seconds:.3f}s"
+                    + ("" if req.apply_seconds is None else f", apply {req.apply_seconds:.3f}s") + ")")
+        return {}
+
+    @app.get("/metrics", response_class=_PrometheusText,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    def metrics() -> Response:
+        """Prometheus metrics (text exposition format). Needs the token like ``/v1``."""
+        return _PrometheusText(coord.metrics.exposition())
 
     return app
 
@@ -379,6 +446,11 @@ def serve(host: str, port: int, state_dir: str | os.PathLike, *, token: Optional
     # This process is ours: keep what exists now (modules, the app, restored state) out of
     # the cycle collector's scans, and collect young objects less often. Full collections
     # otherwise stall every request for 20-80 ms every few seconds under load.
+    # Our own process: leave out prometheus_client's *_created series (one per counter, noise
+    # for a scraper that already sees the process start time metric).
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
