@@ -32,6 +32,7 @@ from ._exceptions import (
     TransportUnavailableError,
     UnauthorizedError,
 )
+from ._metrics import FetchProgress, start_metrics_server
 from ._wire import Locality
 from .hub import Fetched, Hub, connect
 
@@ -41,7 +42,9 @@ __all__ = [
     "connect",
     "Hub",
     "Fetched",
+    "FetchProgress",
     "Locality",
+    "start_metrics_server",
     "TensorHubError",
     "ConfigError",
     "TransportUnavailableError",

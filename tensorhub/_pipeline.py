@@ -164,10 +164,13 @@ def _inflight(chunk: int, src: Source, submitted: float, deadline: float) -> Any
 
 def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
                     into: Optional[Mapping[str, Any]], serve: bool, deadline: float,
-                    report_interval: float = 0.05) -> Any:
+                    report_interval: float = 0.05, track: Any = None) -> Any:
     """``Hub.fetch`` for pipelined readers (see the module docstring). ``hub`` is the
-    calling :class:`tensorhub.Hub`; returns its ``Fetched``."""
+    calling :class:`tensorhub.Hub`; ``track`` its progress bookkeeping; returns its ``Fetched``."""
     from . import hub as hub_mod
+    from ._metrics import hub_metrics
+
+    track = track if track is not None else hub_mod._Track(None)
 
     transport = hub._ensure_transport()
     leases: list[str] = []
@@ -224,6 +227,7 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
                                  chunk_bytes=grant.chunk_bytes, start=grant.start, reverse=grant.reverse,
                                  depth=hub_mod._DEPTH,
                                  progress_timeout=hub.progress_timeout)
+        prog = track.start(hub, model, version, layout, shard, manifest.nbytes)
         held = hub_mod._Held(model, version, layout, shard, grant.num_shards, manifest, local, regions, out,
                              extra=[buf])
         if serve:
@@ -232,7 +236,7 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
             try:
                 partial_id = hub._as_worker("/v1/replicas", body)["replica_id"]
             except TensorHubError as e:
-                logger.info("%s v%d: not serving while receiving: %s", model, version, e)
+                logger.info("%s v%d: worker %s not serving while receiving: %s", model, version, hub.worker_id, e)
         if grant.seed:
             logger.info("%s v%d: %s seeds datacenter %r (%s)", model, version, hub.worker_id,
                         hub.locality.datacenter, grant.reason)
@@ -257,6 +261,7 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
             return list(last)
 
         def report(src: Source, reason: str) -> None:
+            hub_metrics().source_failures.labels(model).inc()
             hub._as_worker(f"/v1/replicas/{src.replica_id}/report",
                            {"worker_id": hub.worker_id, "reason": reason[:1000]}, retry_timeout=2.0)
 
@@ -292,6 +297,7 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
                     logger.debug("chunk report refused: %s", e)
 
         def tick() -> None:
+            prog.tick(reader.live)
             now = time.monotonic()
             if now - clock["renew"] >= renew_every:
                 clock["renew"] = now
@@ -321,6 +327,8 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
             failed += stats.failed_sources
             for w, n in stats.bytes_by_source.items():
                 total[w] = total.get(w, 0) + n
+            prog.tick(stats)
+            prog.attempt_done()
             publish_progress(force=True)
             lapsed = [lid for lid in leases if not hub._release(lid)]
             leases.clear()
@@ -329,8 +337,8 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
                 break
             # Chunks already offered to others were read while their lease was valid: keep them.
             todo = sorted({c for lid in lapsed for c in stats.chunks_by_lease.get(lid, [])} - reported)
-            logger.warning("%s v%d: lease(s) %s lapsed during the read; re-reading %d chunk(s)",
-                           model, version, lapsed, len(todo))
+            logger.warning("%s v%d: worker %s's lease(s) %s lapsed during the read; re-reading %d chunk(s)",
+                           model, version, hub.worker_id, lapsed, len(todo))
             reader.completed = [p for p in reader.completed if p[0] in reported]
             sent[0] = len(reader.completed)
             first.clear()
@@ -341,11 +349,13 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
         if serve:
             held.replica_id = hub._register_replica(held)
             with hub._lock:
-                hub._held[(model, version, layout, shard)] = held
+                hub._hold(held)
             served = True
-        logger.info("fetched %s v%d layout %s shard %d (pipelined%s): %.1f MB in %.3fs (%.2f GB/s) from %s",
-                    model, version, layout, shard, ", seeder" if grant.seed else "", nbytes / 1e6, seconds,
-                    nbytes / seconds / 1e9 if seconds else 0.0, total)
+        logger.info("worker %s fetched %s v%d layout %s shard %d (pipelined%s): %.1f MB in %.3fs (%.2f GB/s) "
+                    "from %s%s%s", hub.worker_id, model, version, layout, shard, ", seeder" if grant.seed else "",
+                    nbytes / 1e6, seconds, nbytes / seconds / 1e9 if seconds else 0.0, total,
+                    f"; failed replicas {failed}" if failed else "",
+                    f"; serving it as replica {held.replica_id}" if served else "")
         return hub._fetched(out, version, layout, shard, nbytes, seconds, total, failed)
     finally:
         if not served:
@@ -370,8 +380,9 @@ def _withdraw(hub: Any, model: str, version: int, until: float) -> bool:
             if r["drained"]:
                 return True
         except TensorHubError as e:
-            logger.warning("withdrawing partial replica of %s v%d: %s", model, version, e)
+            logger.warning("withdrawing worker %s's partial replica of %s v%d: %s", hub.worker_id, model, version, e)
         if time.monotonic() > end:
-            logger.error("partial replica of %s v%d did not drain; its memory is quarantined", model, version)
+            logger.error("worker %s's partial replica of %s v%d did not drain; its memory is quarantined",
+                         hub.worker_id, model, version)
             return False
         time.sleep(0.05)

@@ -133,6 +133,11 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _bool("TENSORHUB_RETAIN_ON_CPU", False),
         "When unpublishing the last replica of the newest version, first keep serving a CPU copy.",
     ),
+    "TENSORHUB_PROGRESS_INTERVAL": (
+        _float("TENSORHUB_PROGRESS_INTERVAL", 1.0),
+        "Seconds between progress reports of a fetch that runs longer than a second (to the "
+        "fetch's progress callback, else the log, and to the coordinator's status); 0: none.",
+    ),
     "TENSORHUB_STRIPE": (
         _int("TENSORHUB_STRIPE", 4),
         "Most replicas one fetch reads from at once.",

@@ -14,6 +14,13 @@ Who calls what:
 * anyone: ``close()`` (or the context manager) drops every replica of this worker,
   unregisters its memory and stops the heartbeat. Any call after it raises
   :class:`HubClosedError`.
+
+Observability: every fetch counts in this process's ``tensorhub_hub_*`` metrics
+(``tensorhub._metrics``) and is reported to the coordinator (``POST /v1/fetches``: about
+once a second while a fetch runs longer than a second, and when it ends) from a
+background thread, best effort: telemetry never delays or fails a fetch. A fetch longer
+than a second hands its progress to ``fetch(..., progress=callback)``, else logs it.
+Engines report their swaps with :meth:`Hub.report_swap`.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ import socket
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 from urllib.parse import urlparse
 
 from . import envs
@@ -43,6 +51,7 @@ from ._exceptions import (
     RetentionError,
     TensorHubError,
 )
+from ._metrics import FetchProgress, ProgressReporter, hub_metrics
 from ._reader import ShardReader, Source
 from ._tensors import allocate_like, check_into, coalesce, manifest_of
 from ._wire import LeaseGrant, Locality, Manifest
@@ -111,6 +120,84 @@ class Fetched(dict):
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
+class _Track:
+    """One fetch's bookkeeping between ``Hub.fetch`` and the read path that runs it."""
+
+    def __init__(self, callback: Optional[Callable[[FetchProgress], None]]) -> None:
+        self.callback = callback
+        self.version: Optional[int] = None
+        self.reporter: Optional[ProgressReporter] = None
+
+    def start(self, hub: "Hub", model: str, version: int, layout: str, shard: int, total: int) -> ProgressReporter:
+        """The lease is in (the size is known): progress starts here."""
+        self.version = version
+
+        def to_coordinator(p: FetchProgress) -> None:
+            if not p.done:
+                hub._outbox.put("/v1/fetches", hub._fetch_report(p, "running"))
+
+        every = float(envs.TENSORHUB_PROGRESS_INTERVAL)  # also the delay before the first report
+        self.reporter = ProgressReporter(model, version, layout, shard, total, callback=self.callback,
+                                         on_report=to_coordinator, interval=every, after=every,
+                                         worker_id=hub.worker_id)
+        return self.reporter
+
+
+class _Outbox:
+    """Reports to the coordinator (fetches, swaps), posted by a background thread so that
+    telemetry never delays or fails the caller; at most ``limit`` wait (older ones drop)."""
+
+    def __init__(self, hub: "Hub", limit: int = 256) -> None:
+        self.hub = hub
+        self.queue: deque = deque(maxlen=limit)
+        self.wake = threading.Event()
+        self.stop = threading.Event()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.thread: Optional[threading.Thread] = None
+        self.lock = threading.Lock()
+
+    def put(self, path: str, body: dict) -> None:
+        with self.lock:
+            if self.stop.is_set():
+                return
+            self.queue.append((path, body))
+            self.idle.clear()
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name=f"tensorhub-report-{self.hub.worker_id}",
+                                               daemon=True)
+                self.thread.start()
+        self.wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self.wake.wait(1.0)
+            self.wake.clear()
+            while self.queue:
+                try:
+                    path, body = self.queue.popleft()
+                except IndexError:
+                    break
+                try:
+                    self.hub._api.post(path, body, retry_timeout=1.0, timeout=5.0)  # type: ignore[union-attr]
+                except Exception as e:  # best effort: an old coordinator, an outage, an unknown model
+                    logger.debug("worker %s: report %s not delivered: %s", self.hub.worker_id, path, e)
+            with self.lock:
+                if not self.queue:
+                    self.idle.set()
+                if self.stop.is_set() and not self.queue:
+                    return
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Deliver what is queued (up to ``timeout``), then stop."""
+        with self.lock:
+            self.stop.set()
+            t = self.thread
+        if t is not None:
+            self.wake.set()
+            t.join(timeout)
+
+
 @dataclass
 class _Held:
     """A replica this process holds: what it needs to re-register after a restart."""
@@ -171,6 +258,9 @@ class Hub:
         self._closed = False
         self._stop = threading.Event()
         self._hb: Optional[threading.Thread] = None
+        self._outbox = _Outbox(self)
+        #: (epoch, served leases, served bytes) last answered on a heartbeat.
+        self._served_seen: tuple[Optional[str], int, int] = (None, 0, 0)
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> "Hub":
@@ -191,6 +281,7 @@ class Hub:
         self._stop.set()
         if self._hb is not None:
             self._hb.join(timeout=5)
+        self._outbox.close(timeout=2.0)
         if self._api is not None:
             try:
                 self._api.delete(f"/v1/workers/{self.worker_id}", retry_timeout=2.0)
@@ -198,7 +289,8 @@ class Hub:
                 logger.debug("worker %s: deregistration failed: %s", self.worker_id, e)
             self._api.close()
         with self._lock:
-            self._held.clear()
+            for key in list(self._held):
+                self._drop(key)
         if self._transport is not None and self._transport_started:
             self._transport.close()
 
@@ -247,6 +339,7 @@ class Hub:
             try:
                 r = self.api.post(f"/v1/workers/{self.worker_id}/heartbeat",
                                   retry_timeout=self.heartbeat_interval)
+                self._count_served(r)
                 if r.get("epoch") != self._epoch:
                     logger.warning("coordinator restarted (epoch %s -> %s); re-registering", self._epoch, r["epoch"])
                     self._reregister()
@@ -259,6 +352,63 @@ class Hub:
                 logger.warning("heartbeat to %s failed: %s", self.url, e)
             except Exception:  # pragma: no cover - never let the thread die
                 logger.exception("heartbeat failed")
+
+    def _count_served(self, answer: dict) -> None:
+        """Turn the coordinator's totals of what this worker served (since it started, or
+        since it re-registered us) into this process's ``served`` counter increments."""
+        if "served_bytes" not in answer:
+            return  # an older coordinator
+        epoch, leases, nbytes = answer.get("epoch"), int(answer["served_leases"]), int(answer["served_bytes"])
+        seen_epoch, seen_leases, seen_bytes = self._served_seen
+        if epoch != seen_epoch or leases < seen_leases or nbytes < seen_bytes:
+            seen_leases = seen_bytes = 0  # the coordinator counts afresh
+        m = hub_metrics()
+        if leases > seen_leases:
+            m.served_leases.inc(leases - seen_leases)
+        if nbytes > seen_bytes:
+            m.served_bytes.inc(nbytes - seen_bytes)
+        self._served_seen = (epoch, leases, nbytes)
+
+    def _hold(self, h: "_Held") -> None:
+        """Record a replica this process now holds (caller holds ``_lock``)."""
+        key = (h.model, h.version, h.layout, h.shard)
+        if key in self._held:
+            self._drop(key)
+        self._held[key] = h
+        m = hub_metrics()
+        m.held_replicas.labels(h.model).inc()
+        m.held_bytes.labels(h.model).inc(h.manifest.nbytes)
+
+    def _drop(self, key: tuple) -> Optional["_Held"]:
+        """Forget a held replica (caller holds ``_lock``)."""
+        h = self._held.pop(key, None)
+        if h is not None:
+            m = hub_metrics()
+            m.held_replicas.labels(h.model).dec()
+            m.held_bytes.labels(h.model).dec(h.manifest.nbytes)
+        return h
+
+    def _fetch_report(self, p: FetchProgress, state: str) -> dict:
+        return {"worker_id": self.worker_id, "model": p.model, "version": p.version, "layout": p.layout,
+                "shard": p.shard, "state": state, "nbytes": p.nbytes, "total": p.total,
+                "seconds": round(p.seconds, 6), "sources": dict(list(p.sources.items())[:1024]),
+                "failed_sources": p.failed_sources}
+
+    def report_swap(self, model: str, version: int, stall: float, *, fetch_seconds: Optional[float] = None,
+                    apply_seconds: Optional[float] = None, ok: bool = True) -> None:
+        """An engine (this process) switched to ``model`` v``version`` (or failed to, ``ok=False``),
+        not serving for ``stall`` seconds: counted in ``tensorhub_hub_swap_stall_seconds`` and
+        sent to the coordinator's ``tensorhub_swap_stall_seconds`` (in the background)."""
+        self._check_open()
+        if ok:
+            hub_metrics().swap_stall.labels(model).observe(stall)
+        body: dict[str, Any] = {"worker_id": self.worker_id, "model": model, "version": version,
+                                "stall": max(0.0, stall), "ok": ok}
+        if fetch_seconds is not None:
+            body["fetch_seconds"] = max(0.0, fetch_seconds)
+        if apply_seconds is not None:
+            body["apply_seconds"] = max(0.0, apply_seconds)
+        self._outbox.put("/v1/swaps", body)
 
     def _reregister(self) -> None:
         """Register the worker and every held replica again. Holds the lock, so that no
@@ -320,9 +470,10 @@ class Hub:
             self._unregister_regions(transport, regions)
             raise
         with self._lock:
-            self._held[(model, key_version, layout, shard)] = h
-        logger.info("published %s v%d layout %s shard %d/%d: %d tensors, %.1f MB",
-                    model, key_version, layout, shard, num_shards, len(addrs), manifest.nbytes / 1e6)
+            self._hold(h)
+        logger.info("published %s v%d layout %s shard %d/%d as replica %s of worker %s: %d tensors, %.1f MB",
+                    model, key_version, layout, shard, num_shards, h.replica_id, self.worker_id, len(addrs),
+                    manifest.nbytes / 1e6)
         return key_version
 
     def unpublish(self, model: str, version: int, *, timeout: Optional[float] = None,
@@ -365,11 +516,12 @@ class Hub:
         transport = self._ensure_transport()
         with self._lock:
             for h in mine:
-                self._held.pop((h.model, h.version, h.layout, h.shard), None)
+                self._drop((h.model, h.version, h.layout, h.shard))
                 self._unregister_regions(transport, h.regions)
             for c in copies:
-                self._held[(c.model, c.version, c.layout, c.shard)] = c
-        logger.info("unpublished %s v%d%s", model, version, " (kept serving a CPU copy)" if copies else "")
+                self._hold(c)
+        logger.info("worker %s unpublished %s v%d (replica(s) %s)%s", self.worker_id, model, version,
+                    ", ".join(h.replica_id for h in mine), " (kept serving a CPU copy)" if copies else "")
 
     def _retain_copy(self, h: _Held) -> _Held:
         """Copy a held shard into new CPU memory and register the copy as a replica."""
@@ -443,20 +595,58 @@ class Hub:
 
     def fetch(self, model: str, version: Optional[int] = None, *, layout: str = "hf", shard: int = 0,
               into: Optional[Mapping[str, Any]] = None, serve: bool = True, group: Optional[str] = None,
-              timeout: Optional[float] = None) -> Fetched:
+              timeout: Optional[float] = None,
+              progress: Optional[Callable[[FetchProgress], None]] = None) -> Fetched:
         """Read ``model`` v``version`` (newest complete when None) from the holders the
         coordinator picks, into ``into`` (checked tensor by tensor) or new tensors.
 
         With ``serve=True`` the result is registered as one more replica: leave the tensors
         unchanged until ``unpublish``. ``group``: see :meth:`resolve`. The fetch completes or
-        fails within ``timeout`` (default ``fetch_timeout``), coordinator outages included."""
+        fails within ``timeout`` (default ``fetch_timeout``), coordinator outages included.
+        ``progress``: called on this thread with a :class:`~tensorhub.FetchProgress` about
+        once a second (``TENSORHUB_PROGRESS_INTERVAL``) once the fetch has run for a second,
+        and once more at its end (``done=True``); without it, progress goes to the log."""
         self._check_open()
         deadline = time.monotonic() + (self.fetch_timeout if timeout is None else timeout)
-        with self.api.bounded(deadline + _RELEASE_GRACE):
-            return self._fetch(model, version, layout, shard, into, serve, group, deadline)
+        track = _Track(progress)
+        t0 = time.monotonic()
+        try:
+            with self.api.bounded(deadline + _RELEASE_GRACE):
+                f = self._fetch(model, version, layout, shard, into, serve, group, deadline, track)
+        except BaseException:
+            self._account(model, layout, shard, track, None, t0)
+            raise
+        self._account(model, layout, shard, track, f, t0)
+        return f
+
+    def _account(self, model: str, layout: str, shard: int, track: _Track, f: Optional[Fetched], t0: float) -> None:
+        """Count a fetch that ended (``f`` None: it failed) and report it to the coordinator."""
+        try:
+            m = hub_metrics()
+            if f is not None and track.reporter is None:
+                m.fetches.labels(model, "ok").inc()  # this process held it already: no transfer
+                return
+            if track.reporter is None:  # failed before a lease: nothing was read
+                m.fetched(model, "failed", 0, time.monotonic() - t0, 0)
+                if track.version is not None:
+                    self._outbox.put("/v1/fetches", {"worker_id": self.worker_id, "model": model,
+                                                     "version": track.version, "layout": layout, "shard": shard,
+                                                     "state": "failed", "seconds": time.monotonic() - t0})
+                return
+            p = track.reporter.finish()
+            outcome = "failed" if f is None else "ok"
+            if f is not None:  # the read's own figures (leases and registration excluded)
+                p = FetchProgress(p.model, p.version, p.layout, p.shard, f.nbytes, p.total, f.seconds,
+                                  dict(f.sources), len(f.failed_sources), True)
+            m.fetched(model, outcome, p.nbytes, p.seconds, 0)
+            self._outbox.put("/v1/fetches", self._fetch_report(p, outcome))
+        except Exception:  # pragma: no cover - accounting never breaks a fetch
+            logger.debug("fetch accounting failed", exc_info=True)
 
     def _fetch(self, model: str, version: Optional[int], layout: str, shard: int,
-               into: Optional[Mapping[str, Any]], serve: bool, group: Optional[str], deadline: float) -> Fetched:
+               into: Optional[Mapping[str, Any]], serve: bool, group: Optional[str], deadline: float,
+               track: Optional[_Track] = None) -> Fetched:
+        track = track if track is not None else _Track(None)
         if version is None:
             version = self.resolve(model, group=group)
         elif not isinstance(version, int) or isinstance(version, bool) or version < 1:
@@ -472,10 +662,11 @@ class Hub:
                 into[name].copy_(t)
             return self._fetched(dict(into), version, layout, shard, held.manifest.nbytes, 0.0,
                                  {self.worker_id: held.manifest.nbytes}, [])
+        track.version = version
         if self.pipelined:
             from ._pipeline import fetch_pipelined
 
-            return fetch_pipelined(self, model, version, layout, shard, into, serve, deadline)
+            return fetch_pipelined(self, model, version, layout, shard, into, serve, deadline, track=track)
         transport = self._ensure_transport()
         leases: list[str] = []
         grant = self._acquire(model, version, layout, shard, set(), deadline)
@@ -499,6 +690,7 @@ class Hub:
             chunk = min(self.chunk_bytes, max(_MIN_CHUNK, spread))
             reader = ShardReader(transport, [s.nbytes for s in manifest.tensors], local, chunk_bytes=chunk,
                                  depth=_DEPTH, progress_timeout=self.progress_timeout)
+            prog = track.start(self, model, version, layout, shard, manifest.nbytes)
             first = [grant]
 
             def sources(excluded: set[str]) -> list[Source]:
@@ -509,6 +701,7 @@ class Hub:
                         for r in g.replicas]
 
             def report(src: Source, reason: str) -> None:
+                hub_metrics().source_failures.labels(model).inc()
                 self._as_worker(f"/v1/replicas/{src.replica_id}/report",
                               {"worker_id": self.worker_id, "reason": reason[:1000]}, retry_timeout=2.0)
 
@@ -516,6 +709,7 @@ class Hub:
             last_renew = [time.monotonic()]
 
             def renew() -> None:
+                prog.tick(reader.live)
                 if time.monotonic() - last_renew[0] < renew_every:
                     return
                 last_renew[0] = time.monotonic()
@@ -546,26 +740,31 @@ class Hub:
                 failed += stats.failed_sources
                 for w, n in stats.bytes_by_source.items():
                     total_sources[w] = total_sources.get(w, 0) + n
+                prog.tick(stats)
+                prog.attempt_done()
                 lapsed = [lid for lid in leases if not self._release(lid)]
                 leases.clear()
                 if not lapsed:
                     break
                 todo = sorted(c for lid in lapsed for c in stats.chunks_by_lease.get(lid, []))
-                logger.warning("%s v%d: lease(s) %s lapsed during the read; re-reading %d chunk(s)",
-                               model, version, lapsed, len(todo))
+                logger.warning("%s v%d: worker %s's lease(s) %s lapsed during the read; re-reading %d chunk(s)",
+                               model, version, self.worker_id, lapsed, len(todo))
                 first.clear()
             else:
                 raise LeaseLapsedError(f"{model!r} v{version}: leases kept lapsing; bytes discarded")
+            h = None
             if serve:
                 h = _Held(model, version, layout, shard, grant.num_shards, manifest, local, regions, out,
                           extra=[buf])
                 h.replica_id = self._register_replica(h)
                 with self._lock:
-                    self._held[(model, version, layout, shard)] = h
+                    self._hold(h)
                 served = True
-            logger.info("fetched %s v%d layout %s shard %d: %.1f MB in %.3fs (%.2f GB/s) from %s",
-                        model, version, layout, shard, nbytes / 1e6, seconds,
-                        nbytes / seconds / 1e9 if seconds else 0.0, total_sources)
+            logger.info("worker %s fetched %s v%d layout %s shard %d: %.1f MB in %.3fs (%.2f GB/s) from %s%s%s",
+                        self.worker_id, model, version, layout, shard, nbytes / 1e6, seconds,
+                        nbytes / seconds / 1e9 if seconds else 0.0, total_sources,
+                        f"; failed replicas {failed}" if failed else "",
+                        f"; serving it as replica {h.replica_id}" if h is not None else "")
             return self._fetched(out, version, layout, shard, nbytes, seconds, total_sources, failed)
         finally:
             if not served:
