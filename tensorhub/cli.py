@@ -1,5 +1,6 @@
-"""``tensorhub`` command line: ``coordinator`` runs the service, ``status`` shows its state,
-``follow`` drives a vLLM server to each new version."""
+"""``tensorhub`` command line: ``coordinator`` runs the service, ``status`` shows its state
+(``--watch``: redrawn in place), ``fetch`` reads a version here (progress, GB/s, sources),
+``follow`` drives an engine server to each new version."""
 
 from __future__ import annotations
 
@@ -7,13 +8,42 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, TextIO
 
 from . import envs
 from ._exceptions import ConfigError, TensorHubError
 
-__all__ = ["main", "format_status"]
+__all__ = ["main", "format_status", "ProgressLine"]
+
+
+class ProgressLine:
+    """One line redrawn in place on a terminal (``\\r`` + clear to end of line); on anything
+    else (a pipe, a log file) a line is written at most every ``every`` seconds, so logs
+    stay readable. ``done()`` ends the line."""
+
+    def __init__(self, stream: Optional[TextIO] = None, every: float = 10.0) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every
+        self.drawn = False
+        self._last = float("-inf")
+
+    def draw(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r" + text + "\x1b[K")
+            self.drawn = True
+        elif time.monotonic() - self._last >= self.every:
+            self._last = time.monotonic()
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty and self.drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+        self.drawn = False
 
 
 def _read_token(path: Optional[str]) -> Optional[str]:
@@ -80,6 +110,16 @@ def format_status(st: dict) -> str:
                     str(r.get("served", 0)),
                 ])
         out.extend(_table(rows))
+    if st.get("fetches"):
+        out.append("")
+        rows = [["FETCHING", "MODEL", "VERSION", "LAYOUT#SHARD", "PROGRESS", "GB/S", "FROM"]]
+        for f in st["fetches"]:
+            pct = f" ({100 * f['nbytes'] / f['total']:.0f}%)" if f["total"] else ""
+            gbps = f["nbytes"] / f["seconds"] / 1e9 if f["seconds"] else 0.0
+            rows.append([f["worker_id"], f["model"], str(f["version"]), f"{f['layout']}#{f['shard']}",
+                         f"{_size(f['nbytes'])}/{_size(f['total'])}{pct}", f"{gbps:.2f}",
+                         ",".join(sorted(f["sources"], key=lambda w: -f["sources"][w])) or "-"])
+        out.extend(_table(rows))
     if st["leases"]:
         out.append("")
         rows = [["LEASE", "READER", "MODEL", "VERSION", "LAYOUT#SHARD", "SOURCES", "EXPIRES IN"]]
@@ -99,10 +139,61 @@ def _status(args: argparse.Namespace) -> int:
     token = _read_token(args.token_file) if args.token_file else envs.TENSORHUB_TOKEN
     api = CoordinatorClient(url, token, retry_timeout=5.0, ca_file=args.ca_file)
     try:
-        st = api.get("/v1/status")
+        if args.watch is None:
+            st = api.get("/v1/status")
+            print(json.dumps(st, indent=2) if args.json else format_status(st))
+            return 0
+        return _watch(api, args, sys.stdout)
     finally:
         api.close()
-    print(json.dumps(st, indent=2) if args.json else format_status(st))
+
+
+def _watch(api: Any, args: argparse.Namespace, out: TextIO) -> int:
+    """``status --watch``: on a terminal, redraw the screen in place every ``args.watch``
+    seconds; elsewhere print each frame after a separator line. A coordinator that does not
+    answer is shown as such, and watching goes on."""
+    tty = out.isatty()
+    frames = 0
+    while True:
+        try:
+            st = api.get("/v1/status")
+            body = json.dumps(st, indent=2) if args.json else format_status(st)
+        except TensorHubError as e:
+            body = f"coordinator {api.url} does not answer: {e}"
+        head = f"{time.strftime('%H:%M:%S')}  {api.url}  every {args.watch:g}s"
+        if tty:
+            out.write("\x1b[H\x1b[2J" + head + "\n\n" + body + "\n")
+        else:
+            out.write(f"--- {head}\n{body}\n")
+        out.flush()
+        frames += 1
+        if args.count and frames >= args.count:
+            return 0
+        time.sleep(args.watch)
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    """``tensorhub fetch``: read a version into this process (not served, then dropped):
+    checks that this host can reach the holders, and how fast."""
+    import tensorhub
+
+    token = _read_token(args.token_file) if args.token_file else None
+    line = ProgressLine(sys.stderr)
+
+    def show(p: Any) -> None:
+        if p.done:
+            line.done()
+        else:
+            line.draw(p.line())
+
+    with tensorhub.connect(args.coordinator, token=token, ca_file=args.ca_file) as hub:
+        f = hub.fetch(args.model, args.version, layout=args.layout, shard=args.shard, serve=False,
+                      timeout=args.timeout, progress=show)
+        line.done()
+        src = ", ".join(f"{w} {_size(n)}" for w, n in sorted(f.sources.items(), key=lambda kv: -kv[1]))
+        print(f"{args.model} v{f.version} layout {f.layout} shard {f.shard}: {_size(f.nbytes)} in "
+              f"{f.seconds:.2f}s ({f.gbps:.2f} GB/s) from {src or '-'}"
+              + (f"; failed sources {', '.join(f.failed_sources)}" if f.failed_sources else ""), flush=True)
     return 0
 
 
@@ -141,7 +232,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ca-file", help="CA (or self-signed certificate, PEM) of an https coordinator "
                    "(default: $TENSORHUB_CA_FILE, else the system's CAs)")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
+    s.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2), in place on a terminal; Ctrl-C stops")
+    s.add_argument("--count", type=int, default=0, help="with --watch: stop after this many refreshes")
     s.set_defaults(fn=_status)
+
+    g = sub.add_parser("fetch", help="read a version here, showing progress, GB/s and sources (not kept)")
+    g.add_argument("--model", required=True)
+    g.add_argument("--version", type=int, help="version (default: the newest complete)")
+    g.add_argument("--layout", default="hf")
+    g.add_argument("--shard", type=int, default=0)
+    g.add_argument("--coordinator", help="coordinator URL (default: $TENSORHUB_COORDINATOR)")
+    g.add_argument("--token-file", help="file holding the API token (default: $TENSORHUB_TOKEN)")
+    g.add_argument("--ca-file", help="CA of an https coordinator (default: $TENSORHUB_CA_FILE)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds the fetch may take")
+    g.set_defaults(fn=_fetch)
 
     f = sub.add_parser("follow", add_help=False,
                        help="drive a vLLM server through pause/update/resume for each new version "
