@@ -4,6 +4,8 @@
   default (read with an empty environment) and its documentation.
 * ``{{ cli_help NAME }}`` -- ``tensorhub NAME --help`` as the installed parser prints it.
 * ``{{ http_routes }}`` -- the coordinator's HTTP routes, from the application itself.
+* ``{{ metrics coordinator|hub }}`` -- the Prometheus metrics the coordinator / a Hub
+  process exports: name, type and help text, from the registries themselves.
 * ``{{ api MODULE errors|other|all }}`` -- a mkdocstrings block for each name of
   ``MODULE.__all__`` (its exceptions, the rest, or all), so the reference follows the API.
 """
@@ -71,7 +73,35 @@ def _api(module: str, which: str) -> str:
     return "\n\n".join(f"::: {module}.{n}" for n in names)
 
 
+def _metrics(which: str) -> str:
+    import tempfile
+
+    if which == "coordinator":
+        from tensorhub.coordinator import Coordinator
+
+        with tempfile.TemporaryDirectory() as d:
+            coord = Coordinator(d)
+            try:
+                families = list(coord.metrics.registry.collect())
+            finally:
+                coord.close()
+    else:
+        from prometheus_client import CollectorRegistry
+
+        from tensorhub._metrics import HubMetrics
+
+        registry = CollectorRegistry()
+        HubMetrics(registry=registry)
+        families = list(registry.collect())
+    rows = ["| metric | type | what |", "| --- | --- | --- |"]
+    for f in sorted(families, key=lambda f: f.name):
+        name = f.name + ("_total" if f.type == "counter" else "")
+        rows.append(f"| `{name}` | {f.type} | {' '.join(f.documentation.split()).replace('|', '/')} |")
+    return "\n".join(rows)
+
+
 def on_page_markdown(markdown: str, **kwargs: object) -> str:
+    markdown = re.sub(r"\{\{ metrics (coordinator|hub) \}\}", lambda m: _metrics(m.group(1)), markdown)
     markdown = re.sub(r"\{\{ api ([a-z_.]+) (errors|other|all) \}\}", lambda m: _api(m.group(1), m.group(2)),
                       markdown)
     if "{{ env_table }}" in markdown:
