@@ -338,3 +338,19 @@ def test_progress_line_off_a_terminal_writes_few_plain_lines():
         line.draw(f"step {i}")
     line.done()
     assert buf.getvalue() == "step 0\n"
+
+
+def test_follow_progress_line_from_the_coordinators_running_fetches():
+    from integrations.vllm.follow import progress_text
+
+    st = {"fetches": [
+        {"worker_id": "engine-b", "model": "policy", "version": 3, "layout": "hf", "shard": 0,
+         "nbytes": 600_000_000, "total": 1_200_000_000, "seconds": 1.5, "failed_sources": 1,
+         "sources": {"pub": 400_000_000, "engine-a": 200_000_000}},
+        {"worker_id": "engine-c", "model": "policy", "version": 2, "layout": "hf", "shard": 0,
+         "nbytes": 1, "total": 2, "seconds": 1.0, "failed_sources": 0, "sources": {"pub": 1}},
+    ]}
+    assert progress_text(st, "policy", 3, 2.04) == (
+        "swap policy v3: 0.60 GB/1.20 GB (50%) in 1.5s, 0.40 GB/s from pub 0.40 GB, engine-a 0.20 GB; "
+        "1 source(s) failed (reader engine-b; stall 2.0s)")
+    assert progress_text(st, "policy", 4, 1.2) == "v4: swapping, stall 1.2s"

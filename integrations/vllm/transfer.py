@@ -17,6 +17,12 @@ this engine:
   they unpublish the old version (waiting for its readers) and free it.
 * ``finish_weight_update(weight_version="N")``: nothing left to do here; vLLM records the
   version that ``/weight_info`` reports.
+
+Metrics: TP rank 0 reports each swap to the coordinator (``Hub.report_swap``): the stall
+is ``start_weight_update`` to ``finish_weight_update`` (the engine is paused throughout;
+without a ``start`` call, the ``update_weights`` call alone), with its fetch and apply
+parts; it lands in the coordinator's ``tensorhub_swap_stall_seconds`` and this process's
+``tensorhub_hub_swap_stall_seconds``. A failed update is reported as failed.
 """
 
 from __future__ import annotations
@@ -86,6 +92,19 @@ class _Mixin:
 
     def start_weight_update(self) -> None:
         self._st()
+        self._swap_t0 = time.monotonic()
+        self._swap_parts: Optional[tuple[int, float, float]] = None
+
+    def _report_swap(self, st: "_runtime.WorkerState", version: Any, t0: float, ok: bool,
+                     parts: Optional[tuple[int, float, float]] = None) -> None:
+        """Rank 0 tells the coordinator (and this process's metrics) how long serving stalled."""
+        if st.rank != 0 or not isinstance(version, int):
+            return
+        try:
+            st.hub.report_swap(st.settings.model, version, time.monotonic() - t0, ok=ok,
+                               fetch_seconds=parts[1] if parts else None, apply_seconds=parts[2] if parts else None)
+        except Exception as e:  # metrics never break a swap
+            logger.debug("tensorhub: swap report failed: %s", e)
 
     def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
         st = self._st()
@@ -108,6 +127,8 @@ class _Mixin:
         if errors:
             if got is not None and st.serving:
                 self._retire(st, v, got, reason="another rank failed")
+            self._report_swap(st, requested, getattr(self, "_swap_t0", None) or t0, ok=False)
+            self._swap_t0 = None  # vLLM ends the session: no finish_weight_update follows
             rank, why = errors[0]
             where = f" (tp rank {rank})" if st.tp_size > 1 else ""
             raise RuntimeError(f"tensorhub: could not fetch {s.model!r} v{requested}{where}: {why}; "
@@ -123,8 +144,13 @@ class _Mixin:
         # Draining the old version's readers must not stall the engine: do it off the call.
         threading.Thread(target=self._retire, args=(st, old_v, old_copy), name="tensorhub-retire",
                          daemon=True).start()
-        logger.info("tensorhub: swapped %s v%s -> v%d: fetch %.2fs (%.1f MB from %s), apply %.2fs",
-                    s.model, old_v, v, t1 - t0, got.nbytes / 1e6, got.sources, t2 - t1)
+        logger.info("tensorhub: worker %s swapped %s v%s -> v%d: fetch %.2fs (%.1f MB, %.2f GB/s, from %s), "
+                    "apply %.2fs", st.hub.worker_id, s.model, old_v, v, t1 - t0, got.nbytes / 1e6, got.gbps,
+                    got.sources, t2 - t1)
+        self._swap_parts = (v, t1 - t0, t2 - t1)
+        if getattr(self, "_swap_t0", None) is None:  # no start_weight_update: this call is the swap
+            self._report_swap(st, v, t0, ok=True, parts=self._swap_parts)
+            self._swap_parts = None
 
     def _apply(self, tensors: Any, limit: int) -> None:
         from vllm.model_executor.model_loader.reload import (
@@ -161,7 +187,10 @@ class _Mixin:
                     st.retired.append((v, copy))
 
     def finish_weight_update(self) -> None:
-        pass
+        t0, parts = getattr(self, "_swap_t0", None), getattr(self, "_swap_parts", None)
+        self._swap_t0, self._swap_parts = None, None
+        if t0 is not None and parts is not None:
+            self._report_swap(self._st(), parts[0], t0, ok=True, parts=parts)
 
     def shutdown(self) -> None:
         """Keep the Hub: the engine's replicas stay registered while it runs."""

@@ -81,12 +81,16 @@ def fleet(tmp_path_factory):
                           weight_transfer_config={"backend": "tensorhub"})
         f["engines"].append(a)
         f["a"] = a
+        # With PROMETHEUS_MULTIPROC_DIR, vLLM's /metrics (API server) also shows the metrics
+        # of its engine process, where the tensorhub Hub fetches: tensorhub_hub_*.
+        (tmp / "prom").mkdir()
         b = ServerEngine(tmp / "b.log", f["dir_bare"], [
             "--load-format", "tensorhub",
             "--model-loader-extra-config", json.dumps({"model": MODEL, "worker_id": "engine-b",
                                                          "bucket_bytes": 300_000, "fetch_timeout": 8}),
             "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
-            env={"TENSORHUB_COORDINATOR": coord.url})  # the env default for "coordinator"
+            env={"TENSORHUB_COORDINATOR": coord.url,  # the env default for "coordinator"
+                 "PROMETHEUS_MULTIPROC_DIR": str(tmp / "prom")})
         f["engines"].append(b)
         f["b"] = b
         f["trainer"] = tensorhub.connect(coord.url, worker_id="trainer")
@@ -148,6 +152,7 @@ def test_hot_swap_offline_and_http(fleet):
     import httpx
 
     assert httpx.get(f"{b.url}/weight_info").json()["weight_version"] == "2"
+    _check_swap_metrics(fleet, b, nbytes=got.nbytes)
 
     # The trainer may now reuse its memory: the engines hold v2.
     trainer.unpublish(MODEL, v2, timeout=30)
@@ -169,6 +174,29 @@ def test_hot_swap_offline_and_http(fleet):
     # and the bytes the engines serve are v2's
     got = trainer.fetch(MODEL, 2, serve=False)
     assert _digest(got) == _digest(make_weights(1))
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _check_swap_metrics(fleet, b, nbytes: int) -> None:
+    """B's own /metrics (vLLM's, fed from its engine process) counts its two fetches (v1 at
+    start, v2 in the swap) and one swap stall; the coordinator's counts A's and B's swaps."""
+    import httpx
+
+    text = httpx.get(f"{b.url}/metrics", timeout=30).text
+    assert _metric(text, "tensorhub_hub_fetch_bytes_total", model=MODEL) == 2 * nbytes, text[-3000:]
+    assert _metric(text, "tensorhub_hub_fetches_total", model=MODEL, outcome="ok") == 2
+    assert _metric(text, "tensorhub_hub_swap_stall_seconds_count", model=MODEL) == 1
+    assert _metric(text, "tensorhub_hub_held_bytes", model=MODEL) >= nbytes
+    assert "vllm:" in text  # vLLM's own metrics are still there
+    coord = lambda: httpx.get(f"{fleet['url']}/metrics", timeout=30).text  # noqa: E731
+    assert _eventually(lambda: _metric(coord(), "tensorhub_swap_stall_seconds_count", model=MODEL) == 2)
+    assert _metric(coord(), "tensorhub_swaps_total", model=MODEL, outcome="ok") == 2
 
 
 def test_failed_fetch_keeps_old_weights(fleet):
