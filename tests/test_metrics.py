@@ -354,3 +354,16 @@ def test_follow_progress_line_from_the_coordinators_running_fetches():
         "swap policy v3: 0.60 GB/1.20 GB (50%) in 1.5s, 0.40 GB/s from pub 0.40 GB, engine-a 0.20 GB; "
         "1 source(s) failed (reader engine-b; stall 2.0s)")
     assert progress_text(st, "policy", 4, 1.2) == "v4: swapping, stall 1.2s"
+
+
+def test_status_table_lists_running_fetches():
+    from tensorhub.cli import format_status
+
+    st = {"epoch": "e", "workers": [], "models": [], "leases": [], "fetches": [
+        {"worker_id": "engine-b", "model": "policy", "version": 3, "layout": "hf", "shard": 0,
+         "nbytes": 600_000_000, "total": 1_200_000_000, "seconds": 2.0, "failed_sources": 0,
+         "sources": {"pub": 100, "engine-a": 500}, "reported_ago": 0.3}]}
+    rows = format_status(st).splitlines()
+    head = next(i for i, r in enumerate(rows) if r.startswith("FETCHING"))
+    assert rows[head + 1].split() == ["engine-b", "policy", "3", "hf#0", "600.0", "MB/1.2", "GB", "(50%)", "0.30",
+                                      "engine-a,pub"]
