@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -40,7 +41,9 @@ __all__ = [
     "CoordinatorMetrics",
     "FetchProgress",
     "HubMetrics",
+    "Outbox",
     "ProgressReporter",
+    "Track",
     "hub_metrics",
     "start_metrics_server",
 ]
@@ -341,3 +344,78 @@ class ProgressReporter:
                 logger.debug("progress callback failed", exc_info=True)
         if self.callback is None and not p.done:
             logger.info("fetching %s (worker %s)", p.line(), self.worker_id)
+
+
+class Track:
+    """One fetch's bookkeeping between ``Hub.fetch`` and the read path that runs it."""
+
+    def __init__(self, callback: Optional[Callable[[FetchProgress], None]]) -> None:
+        self.callback = callback
+        self.version: Optional[int] = None
+        self.reporter: Optional[ProgressReporter] = None
+
+    def start(self, hub: Any, model: str, version: int, layout: str, shard: int, total: int) -> ProgressReporter:
+        """The lease is in (the size is known): progress starts here."""
+        self.version = version
+
+        def to_coordinator(p: FetchProgress) -> None:
+            if not p.done:
+                hub._outbox.put("/v1/fetches", hub._fetch_report(p, "running"))
+
+        from . import envs
+
+        every = float(envs.TENSORHUB_PROGRESS_INTERVAL)  # also the delay before the first report
+        self.reporter = ProgressReporter(model, version, layout, shard, total, callback=self.callback,
+                                         on_report=to_coordinator, interval=every, after=every,
+                                         worker_id=hub.worker_id)
+        return self.reporter
+
+
+class Outbox:
+    """Reports to the coordinator (fetches, swaps), posted by a background thread so that
+    telemetry never delays or fails the caller; at most ``limit`` wait (older ones drop)."""
+
+    def __init__(self, hub: Any, limit: int = 256) -> None:
+        self.hub = hub
+        self.queue: deque = deque(maxlen=limit)
+        self.wake = threading.Event()
+        self.stop = threading.Event()
+        self.thread: Optional[threading.Thread] = None
+        self.lock = threading.Lock()
+
+    def put(self, path: str, body: dict) -> None:
+        with self.lock:
+            if self.stop.is_set():
+                return
+            self.queue.append((path, body))
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name=f"tensorhub-report-{self.hub.worker_id}",
+                                               daemon=True)
+                self.thread.start()
+        self.wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self.wake.wait(1.0)
+            self.wake.clear()
+            while self.queue:
+                try:
+                    path, body = self.queue.popleft()
+                except IndexError:
+                    break
+                try:
+                    self.hub._api.post(path, body, retry_timeout=1.0, timeout=5.0)  # type: ignore[union-attr]
+                except Exception as e:  # best effort: an old coordinator, an outage, an unknown model
+                    logger.debug("worker %s: report %s not delivered: %s", self.hub.worker_id, path, e)
+            with self.lock:
+                if self.stop.is_set() and not self.queue:
+                    return
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Deliver what is queued (up to ``timeout``), then stop."""
+        with self.lock:
+            self.stop.set()
+            t = self.thread
+        if t is not None:
+            self.wake.set()
+            t.join(timeout)

@@ -168,9 +168,9 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
     """``Hub.fetch`` for pipelined readers (see the module docstring). ``hub`` is the
     calling :class:`tensorhub.Hub`; ``track`` its progress bookkeeping; returns its ``Fetched``."""
     from . import hub as hub_mod
-    from ._metrics import hub_metrics
+    from ._metrics import Track, hub_metrics
 
-    track = track if track is not None else hub_mod._Track(None)
+    track = track if track is not None else Track(None)
 
     transport = hub._ensure_transport()
     leases: list[str] = []

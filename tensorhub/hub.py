@@ -33,7 +33,6 @@ import socket
 import threading
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 from urllib.parse import urlparse
@@ -51,7 +50,7 @@ from ._exceptions import (
     RetentionError,
     TensorHubError,
 )
-from ._metrics import FetchProgress, ProgressReporter, hub_metrics
+from ._metrics import FetchProgress, Outbox, Track, hub_metrics
 from ._reader import ShardReader, Source
 from ._tensors import allocate_like, check_into, coalesce, manifest_of
 from ._wire import LeaseGrant, Locality, Manifest
@@ -120,84 +119,6 @@ class Fetched(dict):
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
-class _Track:
-    """One fetch's bookkeeping between ``Hub.fetch`` and the read path that runs it."""
-
-    def __init__(self, callback: Optional[Callable[[FetchProgress], None]]) -> None:
-        self.callback = callback
-        self.version: Optional[int] = None
-        self.reporter: Optional[ProgressReporter] = None
-
-    def start(self, hub: "Hub", model: str, version: int, layout: str, shard: int, total: int) -> ProgressReporter:
-        """The lease is in (the size is known): progress starts here."""
-        self.version = version
-
-        def to_coordinator(p: FetchProgress) -> None:
-            if not p.done:
-                hub._outbox.put("/v1/fetches", hub._fetch_report(p, "running"))
-
-        every = float(envs.TENSORHUB_PROGRESS_INTERVAL)  # also the delay before the first report
-        self.reporter = ProgressReporter(model, version, layout, shard, total, callback=self.callback,
-                                         on_report=to_coordinator, interval=every, after=every,
-                                         worker_id=hub.worker_id)
-        return self.reporter
-
-
-class _Outbox:
-    """Reports to the coordinator (fetches, swaps), posted by a background thread so that
-    telemetry never delays or fails the caller; at most ``limit`` wait (older ones drop)."""
-
-    def __init__(self, hub: "Hub", limit: int = 256) -> None:
-        self.hub = hub
-        self.queue: deque = deque(maxlen=limit)
-        self.wake = threading.Event()
-        self.stop = threading.Event()
-        self.idle = threading.Event()
-        self.idle.set()
-        self.thread: Optional[threading.Thread] = None
-        self.lock = threading.Lock()
-
-    def put(self, path: str, body: dict) -> None:
-        with self.lock:
-            if self.stop.is_set():
-                return
-            self.queue.append((path, body))
-            self.idle.clear()
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name=f"tensorhub-report-{self.hub.worker_id}",
-                                               daemon=True)
-                self.thread.start()
-        self.wake.set()
-
-    def _run(self) -> None:
-        while True:
-            self.wake.wait(1.0)
-            self.wake.clear()
-            while self.queue:
-                try:
-                    path, body = self.queue.popleft()
-                except IndexError:
-                    break
-                try:
-                    self.hub._api.post(path, body, retry_timeout=1.0, timeout=5.0)  # type: ignore[union-attr]
-                except Exception as e:  # best effort: an old coordinator, an outage, an unknown model
-                    logger.debug("worker %s: report %s not delivered: %s", self.hub.worker_id, path, e)
-            with self.lock:
-                if not self.queue:
-                    self.idle.set()
-                if self.stop.is_set() and not self.queue:
-                    return
-
-    def close(self, timeout: float = 2.0) -> None:
-        """Deliver what is queued (up to ``timeout``), then stop."""
-        with self.lock:
-            self.stop.set()
-            t = self.thread
-        if t is not None:
-            self.wake.set()
-            t.join(timeout)
-
-
 @dataclass
 class _Held:
     """A replica this process holds: what it needs to re-register after a restart."""
@@ -258,7 +179,7 @@ class Hub:
         self._closed = False
         self._stop = threading.Event()
         self._hb: Optional[threading.Thread] = None
-        self._outbox = _Outbox(self)
+        self._outbox = Outbox(self)
         #: (epoch, served leases, served bytes) last answered on a heartbeat.
         self._served_seen: tuple[Optional[str], int, int] = (None, 0, 0)
 
@@ -608,7 +529,7 @@ class Hub:
         and once more at its end (``done=True``); without it, progress goes to the log."""
         self._check_open()
         deadline = time.monotonic() + (self.fetch_timeout if timeout is None else timeout)
-        track = _Track(progress)
+        track = Track(progress)
         t0 = time.monotonic()
         try:
             with self.api.bounded(deadline + _RELEASE_GRACE):
@@ -619,7 +540,7 @@ class Hub:
         self._account(model, layout, shard, track, f, t0)
         return f
 
-    def _account(self, model: str, layout: str, shard: int, track: _Track, f: Optional[Fetched], t0: float) -> None:
+    def _account(self, model: str, layout: str, shard: int, track: Track, f: Optional[Fetched], t0: float) -> None:
         """Count a fetch that ended (``f`` None: it failed) and report it to the coordinator."""
         try:
             m = hub_metrics()
@@ -645,8 +566,8 @@ class Hub:
 
     def _fetch(self, model: str, version: Optional[int], layout: str, shard: int,
                into: Optional[Mapping[str, Any]], serve: bool, group: Optional[str], deadline: float,
-               track: Optional[_Track] = None) -> Fetched:
-        track = track if track is not None else _Track(None)
+               track: Optional[Track] = None) -> Fetched:
+        track = track if track is not None else Track(None)
         if version is None:
             version = self.resolve(model, group=group)
         elif not isinstance(version, int) or isinstance(version, bool) or version < 1:
