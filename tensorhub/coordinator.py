@@ -300,10 +300,9 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     @app.post("/v1/replicas")
     def register_replica(req: RegisterReplica) -> dict:
         rid, complete = coord.call(lambda now: st().register_replica(now, req))
-        logger.log(logging.DEBUG if req.partial else logging.INFO,
-                   "replica %s: %s v%d layout %r shard %d/%d on worker %s%s", rid, req.model, req.version,
-                   req.layout, req.shard, req.num_shards, req.worker_id,
-                   " (partial)" if req.partial else " (version complete)" if complete else "")
+        logger.debug("replica %s: %s v%d layout %r shard %d/%d on worker %s%s", rid, req.model, req.version,
+                     req.layout, req.shard, req.num_shards, req.worker_id,
+                     " (partial)" if req.partial else " (version complete)" if complete else "")
         return {"replica_id": rid, "complete": complete}
 
     @app.post("/v1/models/{model}/versions/{version}/unpublish")
