@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import logging
 import os
 import re
 import shutil
@@ -366,7 +367,7 @@ class Job:
 
 # ---------------------------------------------------------------- report
 
-def summary(job: Job, wall: float) -> str:
+def summary(job: Job, wall: float, rc: int) -> str:
     lines = [f"{'version':<8} {'engine':<9} {'event':<6} {'stall s':>8} {'ready s':>8} {'fetch s':>8} "
              f"{'bytes':>10}  {'from':<30} {'score':>5}  verified"]
     for r in sorted(job.rows, key=lambda r: (r["version"], r["engine"])):
@@ -381,6 +382,9 @@ def summary(job: Job, wall: float) -> str:
                  f"read from")
     for name in job.engines:
         rs = [r for r in job.rows if r["engine"] == name]
+        if not rs:
+            lines.append(f"{name:<9} (not up)")
+            continue
         st = [r["stall_s"] for r in rs if r["stall_s"] is not None]
         frm: dict = {}
         for r in rs:
@@ -391,8 +395,15 @@ def summary(job: Job, wall: float) -> str:
                      f"{sum(r['nbytes'] for r in rs) / 1e6:>8.2f}  "
                      + ", ".join(f"{w} x{sum(1 for r in rs if w in r['sources'])}" for w in sorted(frm)))
     lines.append("")
-    lines.append(f"wall time {wall:.0f} s; " + ("every load and swap verified (bytes, /weight_info, rollouts)"
-                                                if not job.failures else f"{len(job.failures)} FAILED checks"))
+    if job.failures:
+        verdict = f"{len(job.failures)} FAILED checks"
+    elif rc == 130:
+        verdict = "interrupted; every load and swap so far verified"
+    elif rc:
+        verdict = "the job FAILED (above); every load and swap so far verified"
+    else:
+        verdict = "every load and swap verified (bytes, /weight_info, rollouts)"
+    lines.append(f"wall time {wall:.0f} s; {verdict}")
     return "\n".join(lines)
 
 
@@ -479,6 +490,8 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         wall = now()
+        # The coordinator would warn about each engine it sees go: expected here.
+        logging.getLogger("tensorhub.coordinator").setLevel(logging.ERROR)
         children.stop()
         if coord is not None:
             coord.stop()
@@ -487,7 +500,7 @@ def main() -> int:
         return rc
     for e in job.engines.values():
         e.http.close()
-    table = summary(job, wall)
+    table = summary(job, wall, rc)
     print("\n" + table, flush=True)
     (out / "demo.json").write_text(json.dumps({
         "wall_s": wall, "model_bytes": next(iter(job.pubs.values()))["nbytes"], "rc": rc,

@@ -33,36 +33,38 @@ DEMO = ROOT / "examples" / "demo.py"
 ENGINES = ("engine-a", "engine-b", "engine-c")
 
 
-def _marked(mark: str) -> list[str]:
-    """Processes (pid and command line) carrying ``mark`` in their environment."""
+def _marked(mark: str, sid: int) -> list[str]:
+    """Live processes (pid and command line) carrying ``mark`` in their environment or in
+    session ``sid`` (the demo's: vLLM's engine core and workers retitle themselves, which
+    overwrites the environment /proc shows)."""
     needle = f"TENSORHUB_DEMO_TEST={mark}".encode()
     found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            if needle in (d / "environ").read_bytes().split(b"\0"):
-                state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")[:200]
-                    found.append(f"{d.name} {cmd!r}")
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            state, session = stat[0], int(stat[4])
+            if state != "Z" and (session == sid or needle in (d / "environ").read_bytes().split(b"\0")):
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")[:200]
+                found.append(f"{d.name} {cmd!r}")
         except OSError:
             continue
     return found
 
 
-def _no_leftovers(mark: str, timeout: float = 10.0) -> list[str]:
+def _no_leftovers(mark: str, sid: int, timeout: float = 10.0) -> list[str]:
     deadline = time.monotonic() + timeout
     while True:
-        left = _marked(mark)
+        left = _marked(mark, sid)
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
 
 
-def _kill_marked(mark: str) -> None:
-    """Last resort after a failed check: SIGKILL what this run started (it carries ``mark``)."""
-    for entry in _marked(mark):
+def _kill_marked(mark: str, sid: int) -> None:
+    """Last resort after a failed check: SIGKILL what this run started."""
+    for entry in _marked(mark, sid):
         try:
             os.kill(int(entry.split()[0]), signal.SIGKILL)
         except ProcessLookupError:
@@ -117,10 +119,11 @@ def test_demo_short_run(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-            _kill_marked(mark)
+            _kill_marked(mark, proc.pid)
     tail = stdout[-6000:]
     assert proc.returncode == 0, tail
-    assert not _no_leftovers(mark), f"processes left behind: {_marked(mark)}"
+    left = _no_leftovers(mark, proc.pid)
+    assert not left, f"processes left behind: {left}"
 
     # the summary table: a row per engine load and swap, all three engines
     rows = re.findall(r"^v(\d+)\s+(engine-[abc])\s+(start|swap)\s.*\s(yes|NO)$", stdout, re.M)
@@ -170,15 +173,17 @@ def test_demo_ctrl_c_midway_leaves_nothing(tmp_path):
     try:
         assert seen.wait(300), "".join(lines)[-4000:]
         time.sleep(5)  # engine-a serving, engine-b's vLLM processes starting up
-        assert len(_marked(mark)) >= 4, _marked(mark)  # demo, trainer, two servers (+ engine cores)
+        running = _marked(mark, proc.pid)
+        assert len(running) >= 6, running  # demo, trainer, two servers, their engine cores
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
         rc = proc.wait(90)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-            _kill_marked(mark)
+            _kill_marked(mark, proc.pid)
     t.join(10)
     assert rc == 130, "".join(lines)[-4000:]
     assert "interrupted" in "".join(lines)
-    assert not _no_leftovers(mark), f"processes left behind: {_marked(mark)}"
+    left = _no_leftovers(mark, proc.pid)
+    assert not left, f"processes left behind: {left}"
