@@ -18,7 +18,8 @@ For every engine load and swap it prints the stall (``/pause`` to ``/resume``), 
 moved and which worker(s) they came from (the adapter's fetch line in the engine's log),
 and checks that the engine really runs the new version: ``/weight_info`` names it, every
 byte of it arrived (the sources add up to the model's size), and the engine's greedy
-rollouts equal the trainer's own rollouts of that snapshot. It ends with a summary
+rollouts equal the trainer's own rollouts of that snapshot, each token's logprob within
+1e-3 (the previous version's are printed too: they are far off). It ends with a summary
 table; ``OUT/demo.json`` holds every row, ``OUT/demo_timeline.png`` shows which version
 each engine ran when, stalls marked, and ``OUT/logs/`` the processes' logs.
 
@@ -293,16 +294,17 @@ class Job:
         nbytes = sum(sources.values())
         pub = self.pubs[v]
         ids, lps = e.rollouts()
-        problem, note = check(ids, lps, pub, self.pubs.get(v - 1))
-        problems = [problem] if problem else []
+        c = check(ids, lps, pub, self.pubs.get(v - 1))
+        problems = [c["problem"]] if c["problem"] else []
         if nbytes != pub["nbytes"]:
             problems.append(f"read {nbytes} bytes, the version has {pub['nbytes']}")
         row = {"version": v, "engine": e.name, "event": event, "stall_s": stall,
                "ready_s": (e.t_ready - e.t_spawn) if event == "start" else None, "fetch_s": fetch_s,
-               "nbytes": nbytes, "sources": sources, "score": score(ids), "verified": not problems, "check": note}
+               "nbytes": nbytes, "sources": sources, "score": score(ids), "verified": not problems,
+               **{k: c[k] for k in ("logprob_err", "prev_differ", "prev_off", "note")}}
         src = " + ".join(f"{w}" if len(sources) == 1 else f"{w} ({n / 1e6:.2f} MB)" for w, n in sources.items())
         what = f"up in {row['ready_s']:.1f} s" if event == "start" else f"stall {stall:.2f} s"
-        verdict = f"rollouts = trainer's ({note})" if not problems else "MISMATCH: " + "; ".join(problems)
+        verdict = f"rollouts = trainer's ({c['note']})" if not problems else "MISMATCH: " + "; ".join(problems)
         with self.lock:
             self.rows.append(row)
             if problems:

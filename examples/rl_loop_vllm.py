@@ -64,10 +64,10 @@ def rollouts(llm, pub: dict, prev: dict | None = None) -> tuple:
                         use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outs]
     lps = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
-    problem, note = check(got, lps, pub, prev)
-    if problem:
-        raise RuntimeError(f"v{pub['version']}: {problem}")
-    return score(got), f"{words(prompts[1])} -> {words(got[1])}", note
+    c = check(got, lps, pub, prev)
+    if c["problem"]:
+        raise RuntimeError(f"v{pub['version']}: {c['problem']}")
+    return score(got), f"{words(prompts[1])} -> {words(got[1])}", c["note"]
 
 
 def _stop_children() -> None:

@@ -96,15 +96,17 @@ def words(ids: list) -> str:
     return " ".join(f"w{t - SPECIAL}" if t >= SPECIAL else f"<{t}>" for t in ids)
 
 
-def check(ids: list, logprobs: list, pub: dict, prev: Optional[dict] = None) -> tuple[Optional[str], str]:
+def check(ids: list, logprobs: list, pub: dict, prev: Optional[dict] = None) -> dict:
     """Does an engine run the version the trainer published as ``pub``?
 
     ``ids``, ``logprobs``: the engine's greedy rollouts of :func:`probes` and the logprob of
     each generated token. They must equal the trainer's own rollouts of that snapshot, and
     their logprobs must be within ``LOGPROB_TOL`` of the trainer's (rollouts that pass a near
     tie, top-2 logits within ``TIE``, are skipped: float32 kernels may break it either way).
-    Returns ``(problem or None, a note)``; the note says how far the logprobs are from the
-    version before (``prev``), which shows the check tells the two versions apart."""
+    Returns ``problem`` (None when it runs ``pub``), ``logprob_err``, and how far the version
+    before (``prev``) is from what the engine runs (``prev_differ``: rollouts that differ,
+    ``prev_off``: largest logprob gap on the others), which shows the check tells the two
+    apart; ``note`` says it in words."""
     def distance(ref: dict) -> tuple[list[int], float]:
         wrong, worst = [], 0.0
         for i, (a, la, b, lb, m) in enumerate(zip(ids, logprobs, ref["reference"], ref["logprobs"], pub["margins"])):
@@ -117,19 +119,23 @@ def check(ids: list, logprobs: list, pub: dict, prev: Optional[dict] = None) -> 
         return wrong, worst
 
     wrong, worst = distance(pub)
-    problem = None
+    out: dict = {"problem": None, "logprob_err": worst, "prev_differ": None, "prev_off": None}
     if wrong:
         _, _, prompts = probes(len(ids))
         i = wrong[0]
-        problem = (f"{len(wrong)} rollout(s) differ from the trainer's v{pub['version']}, e.g. {words(prompts[i])} "
-                   f"-> {words(ids[i])}, trainer {words(pub['reference'][i])}")
+        out["problem"] = (f"{len(wrong)} rollout(s) differ from the trainer's v{pub['version']}, e.g. "
+                          f"{words(prompts[i])} -> {words(ids[i])}, trainer {words(pub['reference'][i])}")
     elif worst > LOGPROB_TOL:
-        problem = f"logprobs differ from the trainer's v{pub['version']} by up to {worst:.2g}"
+        out["problem"] = f"logprobs differ from the trainer's v{pub['version']} by up to {worst:.2g}"
     note = f"logprobs within {worst:.0e}"
     if prev is not None:
         pw, pd = distance(prev)
+        out["prev_differ"], out["prev_off"] = len(pw), pd
         note += f"; v{prev['version']}'s: " + (f"{len(pw)} rollouts differ" if pw else f"logprobs {pd:.2g} off")
-    return problem, note
+        if not pw and pd <= LOGPROB_TOL:
+            note += " (too close to tell apart)"
+    out["note"] = note
+    return out
 
 
 def reference(model, prompts: list) -> tuple[list, list, list]:

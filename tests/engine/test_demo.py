@@ -141,6 +141,9 @@ def test_demo_short_run(tmp_path):
         assert r["nbytes"] == size and sum(r["sources"].values()) == size, r
         assert r["verified"], r
         assert set(r["sources"]) <= {"trainer", *ENGINES}, r
+        assert r["logprob_err"] <= 1e-3, r
+        if r["version"] > 1:  # the check tells this version from the one before
+            assert r["prev_differ"] > 0 or r["prev_off"] > 1e-3, r
     # every engine ends on the last version; the followers saw every version
     last = max(p["version"] for p in data["published"])
     for name in ENGINES:
