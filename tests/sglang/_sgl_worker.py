@@ -121,6 +121,10 @@ def run(op: str, cmd: dict, mc, model):
         return get_remote_instance_transfer_engine_info_per_rank(cmd["seed_url"], cmd["rank"])
     if op == "seed_read":
         return seed_read(cmd, model)
+    if op == "serve_http":
+        return serve_http(mc, model)
+    if op == "http_calls":
+        return _HTTP["calls"]
     raise ValueError(f"unknown op {op}")
 
 
@@ -141,6 +145,93 @@ def update(cmd: dict, mc, model):
                                                  "integrations.sglang.pull.pull"))
     wu.end_weight_update(run_post_load=not ok)
     return {"success": ok, "message": message}
+
+
+_HTTP: dict = {"calls": [], "version": None, "paused": False, "session": False}
+
+
+def serve_http(mc, model) -> int:
+    """SGLang's weight-update endpoints on a free port, for ``tensorhub follow``: the same
+    paths and request types (``sglang.srt.managers.io_struct``) as SGLang's http_server,
+    run the way its scheduler does (session, WeightUpdater, weight version). A stand-in
+    for SGLang's tokenizer-manager/scheduler hop, which needs CUDA to start."""
+    import base64
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+    from sglang.srt.managers import io_struct as io
+
+    from integrations.sglang import _runtime
+
+    st = _runtime.get_state()
+    _HTTP["version"] = None if st is None or st.version is None else str(st.version)
+    globals()["Request"] = Request  # FastAPI resolves the (postponed) annotations in module globals
+    app = FastAPI()
+    calls = _HTTP["calls"]
+
+    def body_as(cls, body: dict):
+        return cls(**body)  # SGLang's request struct: unknown fields are refused
+
+    @app.get("/model_info")
+    def model_info():
+        return {"weight_version": _HTTP["version"]}
+
+    @app.get("/server_info")
+    def server_info():
+        return {"tp_size": 1}
+
+    @app.post("/pause_generation")
+    async def pause(req: Request):
+        body_as(io.PauseGenerationReqInput, await req.json())
+        calls.append("pause_generation")
+        _HTTP["paused"] = True
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def cont(req: Request):
+        body_as(io.ContinueGenerationReqInput, await req.json())
+        calls.append("continue_generation")
+        _HTTP["paused"] = False
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/begin_weight_update")
+    async def begin(req: Request):
+        body_as(io.BeginWeightUpdateReqInput, await req.json())
+        calls.append("begin_weight_update")
+        _HTTP["session"] = True
+        return {"success": True, "message": "Success"}
+
+    @app.post("/end_weight_update")
+    async def end(req: Request):
+        body_as(io.EndWeightUpdateReqInput, await req.json())
+        calls.append("end_weight_update")
+        _HTTP["session"] = False
+        return {"success": True, "message": "Success"}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_from_tensor(req: Request):
+        body = await req.json()
+        body["serialized_named_tensors"] = [base64.b64decode(x) for x in body["serialized_named_tensors"]]
+        obj = body_as(io.UpdateWeightsFromTensorReqInput, body)
+        calls.append("update_weights_from_tensor")
+        if not _HTTP["session"]:
+            return JSONResponse({"success": False, "message": "no session"}, status_code=400)
+        r = update({"payload": obj.serialized_named_tensors[0], "load_format": obj.load_format}, mc, model)
+        if r["success"] and obj.weight_version is not None:
+            _HTTP["version"] = obj.weight_version
+        return JSONResponse(r, status_code=200 if r["success"] else 400)
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    import time
+
+    while not server.started:
+        time.sleep(0.05)
+    return sock.getsockname()[1]
 
 
 def seed_read(cmd: dict, model):

@@ -269,3 +269,35 @@ def test_on_missing_disk_publishes_the_weight_files(hub_env):
     assert held["version"] == 1 and held["copy"] is True
     assert sorted(h[2] for h in held["held"]) == sorted(["hf", held["layout"]])
     assert w.call("digest") == _ref(hub_env, 5)
+
+
+def test_tensorhub_follow_drives_sglang_endpoints(hub_env, engine_a):
+    """``tensorhub follow --engine sglang+http://...`` against SGLang's endpoint paths and
+    request types, served by the worker in front of SGLang's WeightUpdater (SGLang's own
+    HTTP server needs CUDA to start)."""
+    import subprocess
+    import sys
+
+    from _sglang_procs import env
+
+    a = engine_a["worker"]
+    port = a.call("serve_http")
+    start = a.call("held")["version"]
+    follow = subprocess.Popen([sys.executable, "-m", "tensorhub", "follow", "--engine",
+                               f"sglang+http://127.0.0.1:{port}", "--model", "policy", "--coordinator",
+                               hub_env["url"], "--max-swaps", "1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        first = follow.stdout.readline()
+        assert f"engine at v{start}" in first and "tp 1" in first, first + follow.stderr.read()
+        v = _publish(hub_env, 6)
+        out, err = follow.communicate(timeout=240)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    assert follow.returncode == 0, err
+    assert out.startswith(f"v{v}: stall ") and "holders trainer-6" in out, out + err
+    assert a.call("http_calls") == ["pause_generation", "begin_weight_update", "update_weights_from_tensor",
+                                    "end_weight_update", "continue_generation"]
+    assert a.call("held")["version"] == v
+    assert a.call("digest") == _ref(hub_env, 6)
