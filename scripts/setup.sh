@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 # System packages: libibverbs1 (Mooncake's wheel links it even for TCP) and iproute2
 # (ip/tc, for the fault and topology tests that build network namespaces).
 need=()
-ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || need+=(libibverbs1)
+# (grep reads all of ldconfig's output: with -q it may exit first, ldconfig then dies of SIGPIPE
+# and pipefail reports the library missing, so every few runs would apt-get update for nothing)
+ldconfig -p 2>/dev/null | grep 'libibverbs.so.1 ' >/dev/null || need+=(libibverbs1)
 command -v tc >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 || need+=(iproute2)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing Debian packages: ${need[*]}"
