@@ -461,6 +461,8 @@ def main() -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)
+    # Also when started in the background by a script, which leaves SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tensorhub_demo_"))
