@@ -5,7 +5,11 @@ Runs in every vLLM worker process (one per TP/PP rank), inside vLLM's ``get_mode
 1. ``load_weights`` (before ``process_weights_after_loading``): connect to the coordinator,
    resolve the version (TP rank 0 decides, the group follows), fetch it in the ``hf``
    layout and stream it through ``model.load_weights`` in buckets of at most
-   ``bucket_bytes``, cut at layer boundaries. With no complete version, ``on_missing``
+   ``bucket_bytes``, cut at layer boundaries. A rank that serves no copy
+   (``serve_ranks="first"``, TP rank > 0) reads bucket by bucket into one reused buffer
+   (``Hub.fetch(names=...)``): its extra memory is one bucket, not the model. A hot-swap
+   still fetches the whole version before applying it, so that a failed fetch leaves
+   the old weights intact on every rank. With no complete version, ``on_missing``
    decides: ``disk`` reads ``--model DIR``'s safetensors (and publishes them afterwards),
    ``wait`` waits for one, ``error`` stops the start with one line naming the setting.
 2. ``load_model`` (after ``process_weights_after_loading``): the serving rank(s) register
@@ -81,10 +85,12 @@ def make_loader_class() -> type:
                 self._pending_disk = tensors
                 _runtime.load_into(model, tensors, s.bucket_bytes)
                 return
+            if not st.serving:  # nothing to keep: stream buckets through one reused buffer
+                st.version, st.specs = v, _runtime.stream_into(st, model, v, s.bucket_bytes)
+                return
             got = _runtime.fetch(st, v)
             _runtime.load_into(model, got, s.bucket_bytes)
-            st.version, st.specs = v, _runtime.specs_of(got)
-            st.copy = got if st.serving else None
+            st.version, st.specs, st.copy = v, _runtime.specs_of(got), got
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             model = super().load_model(vllm_config, model_config, prefix)
