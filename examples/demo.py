@@ -55,8 +55,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from rl_task import (MODEL, NEW_TOKENS, make_model_dir, mismatches, probes, read_published,  # noqa: E402
-                     score, trainer_command, words)
+from rl_task import MODEL, NEW_TOKENS, check, make_model_dir, probes, read_published, score, trainer_command  # noqa: E402
 
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",      # GiB of KV cache per engine
@@ -247,14 +246,15 @@ class Engine:
         self.spans.append((t + stall, version))
         return stall
 
-    def rollouts(self) -> list:
-        """Greedy rollouts of the probe prompts (token ids)."""
+    def rollouts(self) -> tuple[list, list]:
+        """Greedy rollouts of the probe prompts: token ids, and each token's logprob."""
         _, _, prompts = probes()
         r = self.http.post("/v1/completions", json={
             "model": self.model_dir, "prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True})
+            "ignore_eos": True, "return_token_ids": True, "logprobs": 0})
         r.raise_for_status()
-        return [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        return [c["token_ids"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices]
 
 
 # ---------------------------------------------------------------- the job
@@ -292,28 +292,23 @@ class Job:
         fetch_s, sources = e.fetched(v)
         nbytes = sum(sources.values())
         pub = self.pubs[v]
-        got = e.rollouts()
-        bad = mismatches(got, pub["reference"], pub["margins"])
-        problems = []
+        ids, lps = e.rollouts()
+        problem, note = check(ids, lps, pub, self.pubs.get(v - 1))
+        problems = [problem] if problem else []
         if nbytes != pub["nbytes"]:
             problems.append(f"read {nbytes} bytes, the version has {pub['nbytes']}")
-        if bad:
-            _, _, prompts = probes()
-            i = bad[0]
-            problems.append(f"{len(bad)} rollout(s) differ from the trainer's, e.g. {words(prompts[i])} -> "
-                            f"{words(got[i])}, trainer {words(pub['reference'][i])}")
         row = {"version": v, "engine": e.name, "event": event, "stall_s": stall,
                "ready_s": (e.t_ready - e.t_spawn) if event == "start" else None, "fetch_s": fetch_s,
-               "nbytes": nbytes, "sources": sources, "score": score(got), "verified": not problems}
+               "nbytes": nbytes, "sources": sources, "score": score(ids), "verified": not problems, "check": note}
         src = " + ".join(f"{w}" if len(sources) == 1 else f"{w} ({n / 1e6:.2f} MB)" for w, n in sources.items())
         what = f"up in {row['ready_s']:.1f} s" if event == "start" else f"stall {stall:.2f} s"
-        check = "rollouts = trainer's" if not problems else "MISMATCH: " + "; ".join(problems)
+        verdict = f"rollouts = trainer's ({note})" if not problems else "MISMATCH: " + "; ".join(problems)
         with self.lock:
             self.rows.append(row)
             if problems:
                 self.failures.append(f"{e.name} v{v}: " + "; ".join(problems))
             say(f"{e.name}: v{v} {event:<5} {what:<16} {nbytes / 1e6:.2f} MB in {fetch_s:.2f} s from {src} | "
-                f"rollout score {row['score']:.2f}, {check}")
+                f"score {row['score']:.2f}, {verdict}")
 
     def swap_all(self, engines: list[Engine], v: int) -> None:
         """Swap ``engines`` to ``v`` at once (they may read from each other), then roll out."""

@@ -1,4 +1,4 @@
-"""A trainer and a vLLM rollout engine, connected by TensorHub (under a minute on 2 CPU cores).
+"""A trainer and a vLLM rollout engine, connected by TensorHub (a minute or two on 2 CPU cores).
 
 * This process runs an embedded coordinator; a rollout process runs one offline vLLM
   engine (``vllm.LLM``, float32, enforce_eager) started with ``--load-format tensorhub``
@@ -15,7 +15,8 @@
 * For each version the engine hot-swaps through vLLM's RL API (``start_weight_update``,
   ``update_weights({"update_info": {"version": v}})``, ``finish_weight_update``), then
   generates greedy rollouts and scores them; the score rises as the trainer learns. The
-  rollouts must equal the trainer's own greedy rollouts of that version (checked).
+  rollouts must equal the trainer's own greedy rollouts of that version, logprobs included
+  (checked).
 
 Processes: this one (coordinator; a supervisor that only waits), a rollout process (the
 engine; vLLM starts its engine core and worker below it) and the trainer. Every one of
@@ -40,8 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rl_task import (MODEL, NEW_TOKENS, make_model_dir, mismatches, probes, read_published,  # noqa: E402
-                     score, trainer_command, words)
+from rl_task import (MODEL, NEW_TOKENS, check, make_model_dir, probes, read_published, score,  # noqa: E402
+                     trainer_command, words)
 
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's log chatter
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -51,22 +52,22 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 
 # ---------------------------------------------------------------- rollout (this process)
 
-def rollouts(llm, pub: dict) -> tuple:
-    """Greedy rollouts on the probe prompts: (score, a sample); raises if they differ from
-    the trainer's own rollouts of the version it published (``pub``)."""
+def rollouts(llm, pub: dict, prev: dict | None = None) -> tuple:
+    """Greedy rollouts on the probe prompts: (score, a sample, a note); raises if they (or
+    their logprobs) differ from the trainer's own rollouts of the version it published (``pub``)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     _, _, prompts = probes()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outs]
-    bad = mismatches(got, pub["reference"], pub["margins"])
-    if bad:
-        i = bad[0]
-        raise RuntimeError(f"v{pub['version']}: the engine's rollout {words(prompts[i])} -> {words(got[i])} "
-                           f"differs from the trainer's {words(pub['reference'][i])}")
-    return score(got), f"{words(prompts[1])} -> {words(got[1])}"
+    lps = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+    problem, note = check(got, lps, pub, prev)
+    if problem:
+        raise RuntimeError(f"v{pub['version']}: {problem}")
+    return score(got), f"{words(prompts[1])} -> {words(got[1])}", note
 
 
 def _stop_children() -> None:
@@ -105,14 +106,14 @@ def rollout(url: str, workdir: Path, versions: int, steps: int) -> None:
                                          "worker_id": "rollout-0"},
               weight_transfer_config={"backend": "tensorhub"})
     llm.init_weight_transfer_engine({"init_info": {}})
-    acc, sample = rollouts(llm, pub)
+    acc, sample, note = rollouts(llm, pub)
     print(f"engine up in {time.monotonic() - t0:.1f} s on v{pub['version']} (from the trainer's memory): "
-          f"score {acc:.2f}   {sample}", flush=True)
+          f"score {acc:.2f}   {sample}   (= trainer's rollouts, {note})", flush=True)
     current = pub["version"]
     for _ in range(versions - 1):
         tr.stdin.write(f"swapped {current}\n")
         tr.stdin.flush()
-        pub = read_published(tr)  # the trainer trained `steps` more steps meanwhile
+        prev, pub = pub, read_published(tr)  # the trainer trained `steps` more steps meanwhile
         v = pub["version"]
         t0 = time.monotonic()
         llm.start_weight_update()
@@ -120,9 +121,9 @@ def rollout(url: str, workdir: Path, versions: int, steps: int) -> None:
         llm.finish_weight_update(weight_version=str(v))
         stall = time.monotonic() - t0
         current = v
-        acc, sample = rollouts(llm, pub)
+        acc, sample, note = rollouts(llm, pub, prev)
         print(f"v{v}: trainer step {pub['step']:4d} loss {pub['loss']:.3f} | swap {stall:.2f} s | "
-              f"rollout score {acc:.2f}   {sample}", flush=True)
+              f"rollout score {acc:.2f}   {sample}   (= trainer's, {note})", flush=True)
     tr.stdin.write("done\n")
     tr.stdin.flush()
     tr.wait(30)

