@@ -42,6 +42,11 @@ class WorkerState:
     copy: Optional[Mapping[str, Any]] = None  # the hf copy of ``version`` (registered if serving)
     specs: Optional[dict] = None  # name -> (shape, dtype) of the hf tensors the engine runs (every rank)
     retired: list = field(default_factory=list)  # old copies whose readers had not drained
+    pp_rank: int = 0
+    pp_size: int = 1
+    layout: Optional[str] = None  # the engine-native layout's name (see _native.fingerprint)
+    native: bool = False  # the parameters are registered in place as ``version`` in ``layout``
+    native_refused: bool = False  # logged once why the native layout is not served
 
 
 def get_state() -> Optional[WorkerState]:
@@ -57,6 +62,15 @@ def ranks() -> tuple[int, int, int]:
             ps.get_pp_group().rank_in_group
     except Exception:  # not initialised (unit use)
         return 0, 1, 0
+
+
+def _pp_size() -> int:
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        return ps.get_pp_group().world_size
+    except Exception:
+        return 1
 
 
 def broadcast(obj: Any) -> Any:
@@ -126,7 +140,7 @@ def connect(settings: Settings) -> WorkerState:
             raise SettingsError(f"tensorhub: setting 'token': the coordinator at {settings.coordinator} "
                                 f"refused it ({e.message})") from None
         serving = settings.serve_ranks == "all" or tp_rank == 0
-        _STATE = WorkerState(settings, hub, tp_rank, tp_size, serving)
+        _STATE = WorkerState(settings, hub, tp_rank, tp_size, serving, pp_rank=pp_rank, pp_size=_pp_size())
         logger.info("tensorhub: worker %s connected to %s (tp rank %d/%d, serving hf copy: %s)",
                     wid, settings.coordinator, tp_rank, tp_size, serving)
         return _STATE

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ._settings import Settings, SettingsError
-from . import _runtime
+from . import _native, _runtime
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,9 @@ class _Mixin:
             if v != old_v:
                 got = _runtime.fetch(st, v)
                 _runtime.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
+                # The parameters are served in place: no reader may be reading them when
+                # they change. Unpublish the running version (every layout) and let it drain.
+                _native.withdraw(st)
         except Exception as e:
             err = str(e).removeprefix("tensorhub: ")
         # Every rank of the TP group applies the new version, or none does.
@@ -127,6 +130,7 @@ class _Mixin:
         if errors:
             if got is not None and st.serving:
                 self._retire(st, v, got, reason="another rank failed")
+            _native.publish(st, self.model)  # type: ignore[attr-defined]  # the unchanged parameters again
             self._report_swap(st, requested, getattr(self, "_swap_t0", None) or t0, ok=False)
             self._swap_t0 = None  # vLLM ends the session: no finish_weight_update follows
             rank, why = errors[0]
@@ -141,6 +145,7 @@ class _Mixin:
         t2 = time.monotonic()
         old_copy = st.copy
         st.version, st.specs, st.copy = v, _runtime.specs_of(got), (got if st.serving else None)
+        _native.publish(st, self.model)  # type: ignore[attr-defined]
         # Draining the old version's readers must not stall the engine: do it off the call.
         threading.Thread(target=self._retire, args=(st, old_v, old_copy), name="tensorhub-retire",
                          daemon=True).start()
