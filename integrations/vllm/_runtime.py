@@ -47,6 +47,7 @@ class WorkerState:
     layout: Optional[str] = None  # the engine-native layout's name (see _native.fingerprint)
     native: bool = False  # the parameters are registered in place as ``version`` in ``layout``
     native_refused: bool = False  # logged once why the native layout is not served
+    spare: Optional[dict] = None  # a drained old copy (same tensors), the next swap's destination
 
 
 def get_state() -> Optional[WorkerState]:
@@ -199,11 +200,12 @@ def _missing(st: WorkerState, on_missing: str, why: str) -> Optional[int]:
                         "the weight files and publish them, or \"wait\")")
 
 
-def fetch(st: WorkerState, version: int) -> Any:
-    """Fetch ``version`` in the ``hf`` layout into new memory; registered when this rank serves."""
+def fetch(st: WorkerState, version: int, into: Optional[Mapping[str, Any]] = None) -> Any:
+    """Fetch ``version`` in the ``hf`` layout into ``into`` (a spare copy: memory already
+    touched, so no page faults) or new memory; registered when this rank serves."""
     s = st.settings
     t0 = time.monotonic()
-    got = st.hub.fetch(s.model, version, layout="hf", serve=st.serving, timeout=s.fetch_timeout)
+    got = st.hub.fetch(s.model, version, layout="hf", serve=st.serving, timeout=s.fetch_timeout, into=into)
     logger.info("tensorhub: fetched %s v%d (hf): %.1f MB in %.2fs (%.2f GB/s) from %s%s",
                 s.model, version, got.nbytes / 1e6, time.monotonic() - t0, got.gbps, got.sources,
                 f"; failed sources {got.failed_sources}" if got.failed_sources else "")
