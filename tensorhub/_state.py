@@ -300,6 +300,19 @@ class CoordinatorState:
             )
         return vi
 
+    def manifest(self, model: str, version: int, layout: str, shard: int) -> Manifest:
+        """The registered manifest of one (model, version, layout, shard)."""
+        vi = self._version(model, version)
+        li = vi.layouts.get(layout)
+        if li is None or shard not in li.manifests:
+            raise NotFoundError(
+                404,
+                f"{model!r} v{version} has no layout {layout!r} shard {shard} "
+                f"(layouts: {sorted(vi.layouts) or 'none'})",
+                "unknown_layout",
+            )
+        return li.manifests[shard]
+
     def allocate_version(self, now: float, model: str, version: Optional[int] = None) -> int:
         """A publisher asks for a new version (``None``) or claims an explicit one.
 

@@ -38,11 +38,14 @@ from ._state import CoordinatorState, StateConfig
 from ._store import SqliteStore
 from ._wire import (
     MAX_BODY_BYTES,
+    MAX_NAME_LEN,
+    MAX_SHARDS,
     MAX_VERSION,
     AcquireLease,
     AllocateVersion,
     FetchReport,
     LeaseGrant,
+    Manifest,
     RegisterReplica,
     RegisterWorker,
     Report,
@@ -304,6 +307,14 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
                      req.layout, req.shard, req.num_shards, req.worker_id,
                      " (partial)" if req.partial else " (version complete)" if complete else "")
         return {"replica_id": rid, "complete": complete}
+
+    @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=Manifest)
+    def manifest(model: str = _model(), version: int = _version(),
+                 layout: str = Query(default="hf", min_length=1, max_length=MAX_NAME_LEN,
+                                     pattern=r"^[^\x00-\x1f\x7f]+$"),
+                 shard: int = Query(default=0, ge=0, lt=MAX_SHARDS)) -> Manifest:
+        """The tensors (names, dtypes, shapes, sizes) of one shard of a version's layout."""
+        return coord.read(lambda: st().manifest(model, version, layout, shard))
 
     @app.post("/v1/models/{model}/versions/{version}/unpublish")
     async def unpublish(req: Unpublish, model: str = _model(), version: int = _version()) -> dict:

@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 from urllib.parse import urlparse
 
 from . import envs
@@ -45,6 +45,7 @@ from ._exceptions import (
     HubClosedError,
     HubTimeoutError,
     LeaseLapsedError,
+    TensorMismatchError,
     NotFoundError,
     ConflictError,
     RetentionError,
@@ -53,7 +54,7 @@ from ._exceptions import (
 from ._metrics import FetchProgress, Outbox, Track, hub_metrics
 from ._reader import ShardReader, Source
 from ._tensors import allocate_like, check_into, coalesce, manifest_of
-from ._wire import LeaseGrant, Locality, Manifest
+from ._wire import LeaseGrant, Locality, Manifest, TensorSpec
 from .transport import Transport, create_transport
 
 __all__ = ["Hub", "Fetched", "connect", "parse_locality"]
@@ -517,7 +518,8 @@ class Hub:
     def fetch(self, model: str, version: Optional[int] = None, *, layout: str = "hf", shard: int = 0,
               into: Optional[Mapping[str, Any]] = None, serve: bool = True, group: Optional[str] = None,
               timeout: Optional[float] = None,
-              progress: Optional[Callable[[FetchProgress], None]] = None) -> Fetched:
+              progress: Optional[Callable[[FetchProgress], None]] = None,
+              names: Optional[Iterable[str]] = None) -> Fetched:
         """Read ``model`` v``version`` (newest complete when None) from the holders the
         coordinator picks, into ``into`` (checked tensor by tensor) or new tensors.
 
@@ -526,14 +528,24 @@ class Hub:
         fails within ``timeout`` (default ``fetch_timeout``), coordinator outages included.
         ``progress``: called on this thread with a :class:`~tensorhub.FetchProgress` about
         once a second (``TENSORHUB_PROGRESS_INTERVAL``) once the fetch has run for a second,
-        and once more at its end (``done=True``); without it, progress goes to the log."""
+        and once more at its end (``done=True``); without it, progress goes to the log.
+        ``names``: read only these tensors (``serve`` must be False; ``into`` then needs only
+        them); :meth:`manifest` lists a version's tensors. Streaming a version in bounded
+        buckets is a loop of such fetches into one reused buffer."""
         self._check_open()
+        if names is not None:
+            names = list(dict.fromkeys(names))
+            if serve:
+                raise ConfigError("fetch(names=...) reads part of a version, which cannot be served: "
+                                  "pass serve=False")
+            if not names:
+                raise ConfigError("fetch(names=...) needs at least one tensor name")
         deadline = time.monotonic() + (self.fetch_timeout if timeout is None else timeout)
         track = Track(progress)
         t0 = time.monotonic()
         try:
             with self.api.bounded(deadline + _RELEASE_GRACE):
-                f = self._fetch(model, version, layout, shard, into, serve, group, deadline, track)
+                f = self._fetch(model, version, layout, shard, into, serve, group, deadline, track, names)
         except BaseException:
             self._account(model, layout, shard, track, None, t0)
             raise
@@ -566,7 +578,7 @@ class Hub:
 
     def _fetch(self, model: str, version: Optional[int], layout: str, shard: int,
                into: Optional[Mapping[str, Any]], serve: bool, group: Optional[str], deadline: float,
-               track: Optional[Track] = None) -> Fetched:
+               track: Optional[Track] = None, names: Optional[list[str]] = None) -> Fetched:
         track = track if track is not None else Track(None)
         if version is None:
             version = self.resolve(model, group=group)
@@ -574,6 +586,17 @@ class Hub:
             raise ConfigError(f"version must be a positive int, got {version!r}")
         with self._lock:
             held = self._held.get((model, version, layout, shard))
+        if held is not None and names is not None:  # part of what we hold: copy it
+            keep = _select(held.manifest, names, model, version)
+            part = Manifest.model_construct(tensors=[held.manifest.tensors[i] for i in keep])
+            if into is None:
+                _, into = allocate_like(part)
+            check_into(part, into)
+            self._check_not_served(into)
+            for spec in part.tensors:
+                into[spec.name].copy_(held.tensors[spec.name])
+            return self._fetched(dict(into), version, layout, shard, part.nbytes, 0.0,
+                                 {self.worker_id: part.nbytes}, [])
         if held is not None:  # we hold it already: no transfer
             if into is None:
                 return self._fetched(dict(held.tensors), version, layout, shard, 0, 0.0, {}, [])
@@ -584,7 +607,7 @@ class Hub:
             return self._fetched(dict(into), version, layout, shard, held.manifest.nbytes, 0.0,
                                  {self.worker_id: held.manifest.nbytes}, [])
         track.version = version
-        if self.pipelined:
+        if self.pipelined and names is None:
             from ._pipeline import fetch_pipelined
 
             return fetch_pipelined(self, model, version, layout, shard, into, serve, deadline, track=track)
@@ -593,6 +616,14 @@ class Hub:
         grant = self._acquire(model, version, layout, shard, set(), deadline)
         leases.append(grant.lease_id)
         manifest = grant.manifest
+        keep: Optional[list[int]] = None
+        if names is not None:
+            try:
+                keep = _select(manifest, names, model, version)
+            except BaseException:
+                self._release_all(leases)
+                raise
+            manifest = Manifest.model_construct(tensors=[manifest.tensors[i] for i in keep])
         regions: list[tuple[int, int]] = []
         served = False
         try:
@@ -618,7 +649,9 @@ class Hub:
                 g = first.pop() if first else self._acquire(model, version, layout, shard, excluded, deadline)
                 if g.lease_id not in leases:
                     leases.append(g.lease_id)
-                return [Source(r.replica_id, r.worker_id, r.endpoint, tuple(r.addresses), g.lease_id, r.cost)
+                return [Source(r.replica_id, r.worker_id, r.endpoint,
+                               tuple(r.addresses) if keep is None else tuple(r.addresses[i] for i in keep),
+                               g.lease_id, r.cost)
                         for r in g.replicas]
 
             def report(src: Source, reason: str) -> None:
@@ -746,10 +779,30 @@ class Hub:
         f.sources, f.failed_sources = sources, failed
         return f
 
+    def manifest(self, model: str, version: int, *, layout: str = "hf", shard: int = 0) -> list[TensorSpec]:
+        """The tensors of ``model`` v``version`` (``layout``, ``shard``) in their order: each
+        with ``.name``, ``.dtype``, ``.shape`` and ``.nbytes``. Reads no weights."""
+        self._check_open()
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ConfigError(f"version must be a positive int, got {version!r}")
+        body = self.api.get(f"/v1/models/{model}/versions/{version}/manifest",
+                            params={"layout": layout, "shard": shard})
+        return list(Manifest.model_validate(body).tensors)
+
     def held(self) -> list[tuple[str, int, str, int]]:
         """(model, version, layout, shard) of every replica this process holds."""
         with self._lock:
             return sorted(self._held)
+
+
+def _select(manifest: Manifest, names: list[str], model: str, version: int) -> list[int]:
+    """Indices (manifest order) of ``names``; the error names the first unknown one."""
+    index = {t.name: i for i, t in enumerate(manifest.tensors)}
+    missing = [n for n in names if n not in index]
+    if missing:
+        raise TensorMismatchError(f"{model!r} v{version} has no tensor {missing[0]!r} "
+                                  f"({len(missing)} of the {len(names)} names asked for are unknown)")
+    return sorted(index[n] for n in names)
 
 
 def connect(url: Optional[str] = None, *, worker_id: Optional[str] = None,

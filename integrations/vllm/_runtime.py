@@ -42,6 +42,12 @@ class WorkerState:
     copy: Optional[Mapping[str, Any]] = None  # the hf copy of ``version`` (registered if serving)
     specs: Optional[dict] = None  # name -> (shape, dtype) of the hf tensors the engine runs (every rank)
     retired: list = field(default_factory=list)  # old copies whose readers had not drained
+    pp_rank: int = 0
+    pp_size: int = 1
+    layout: Optional[str] = None  # the engine-native layout's name (see _native.fingerprint)
+    native: bool = False  # the parameters are registered in place as ``version`` in ``layout``
+    native_refused: bool = False  # logged once why the native layout is not served
+    spare: Optional[dict] = None  # a drained old copy (same tensors), the next swap's destination
 
 
 def get_state() -> Optional[WorkerState]:
@@ -57,6 +63,15 @@ def ranks() -> tuple[int, int, int]:
             ps.get_pp_group().rank_in_group
     except Exception:  # not initialised (unit use)
         return 0, 1, 0
+
+
+def _pp_size() -> int:
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        return ps.get_pp_group().world_size
+    except Exception:
+        return 1
 
 
 def broadcast(obj: Any) -> Any:
@@ -126,7 +141,7 @@ def connect(settings: Settings) -> WorkerState:
             raise SettingsError(f"tensorhub: setting 'token': the coordinator at {settings.coordinator} "
                                 f"refused it ({e.message})") from None
         serving = settings.serve_ranks == "all" or tp_rank == 0
-        _STATE = WorkerState(settings, hub, tp_rank, tp_size, serving)
+        _STATE = WorkerState(settings, hub, tp_rank, tp_size, serving, pp_rank=pp_rank, pp_size=_pp_size())
         logger.info("tensorhub: worker %s connected to %s (tp rank %d/%d, serving hf copy: %s)",
                     wid, settings.coordinator, tp_rank, tp_size, serving)
         return _STATE
@@ -185,42 +200,92 @@ def _missing(st: WorkerState, on_missing: str, why: str) -> Optional[int]:
                         "the weight files and publish them, or \"wait\")")
 
 
-def fetch(st: WorkerState, version: int) -> Any:
-    """Fetch ``version`` in the ``hf`` layout into new memory; registered when this rank serves."""
+def fetch(st: WorkerState, version: int, into: Optional[Mapping[str, Any]] = None) -> Any:
+    """Fetch ``version`` in the ``hf`` layout into ``into`` (a spare copy: memory already
+    touched, so no page faults) or new memory; registered when this rank serves."""
     s = st.settings
     t0 = time.monotonic()
-    got = st.hub.fetch(s.model, version, layout="hf", serve=st.serving, timeout=s.fetch_timeout)
+    got = st.hub.fetch(s.model, version, layout="hf", serve=st.serving, timeout=s.fetch_timeout, into=into)
     logger.info("tensorhub: fetched %s v%d (hf): %.1f MB in %.2fs (%.2f GB/s) from %s%s",
                 s.model, version, got.nbytes / 1e6, time.monotonic() - t0, got.gbps, got.sources,
                 f"; failed sources {got.failed_sources}" if got.failed_sources else "")
     return got
 
 
-def buckets(tensors: Mapping[str, Any], limit: int) -> Iterator[list[tuple[str, Any]]]:
-    """``(name, tensor)`` lists of at most ``limit`` bytes (one tensor may exceed it), cut
-    at layer boundaries where possible (vLLM's ``layerwise_groups``)."""
+def stream_into(st: WorkerState, model: Any, version: int, limit: int) -> dict:
+    """Cold start of a rank that serves no copy: read ``version``'s ``hf`` tensors bucket by
+    bucket (cut at layer boundaries, at most ``limit`` bytes unless one tensor is larger)
+    into one reused buffer and feed each bucket to ``model.load_weights``. Peak extra
+    memory: the largest bucket, not the model. Returns :func:`specs_of` the version."""
+    import torch
+
+    s = st.settings
+    t0 = time.monotonic()
+    deadline = t0 + s.fetch_timeout
+    specs = st.hub.manifest(s.model, version, layout="hf")
+    sizes = {t.name: t.nbytes for t in specs}
+    by_name = {t.name: t for t in specs}
+    plan = list(_cut(list(sizes), sizes, limit))
+    align = 64
+    need = max(sum(-(-sizes[n] // align) * align for n in names) for names in plan)
+    buf = torch.empty(max(need, 1), dtype=torch.uint8)
+    out: dict = {}
+    nbytes, sources = 0, {}
+    for names in plan:
+        views, off = {}, 0
+        for n in names:
+            spec = by_name[n]
+            dt = getattr(torch, spec.dtype)
+            views[n] = buf[off:off + spec.nbytes].view(dt).view(spec.shape)
+            off += -(-spec.nbytes // align) * align
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"fetching {s.model!r} v{version} took longer than fetch_timeout={s.fetch_timeout:g}s")
+        got = st.hub.fetch(s.model, version, layout="hf", names=names, into=views, serve=False, timeout=left)
+        model.load_weights(iter(views.items()))
+        nbytes += got.nbytes
+        for w, b in got.sources.items():
+            sources[w] = sources.get(w, 0) + b
+        out.update(specs_of(views))
+    dt_s = time.monotonic() - t0
+    logger.info("tensorhub: streamed %s v%d (hf): %.1f MB in %d bucket(s) through one %.1f MB buffer "
+                "(limit %.1f MB) in %.2fs from %s", s.model, version, nbytes / 1e6, len(plan), need / 1e6,
+                limit / 1e6, dt_s, sources)
+    return out
+
+
+def _cut(names: list, size: Mapping[str, int], limit: int) -> Iterator[list]:
+    """Lists of names of at most ``limit`` bytes (one tensor may exceed it), closed at layer
+    boundaries (vLLM's ``layerwise_groups``) once half full."""
     try:
         from vllm.distributed.weight_transfer.base import layerwise_groups
 
-        groups = layerwise_groups(list(tensors))
+        groups = layerwise_groups(list(names))
     except Exception:
-        groups = [list(tensors)]
-    cur: list[tuple[str, Any]] = []
-    size = 0
+        groups = [list(names)]
+    cur: list = []
+    total = 0
     for group in groups:
         for name in group:
-            t = tensors[name]
-            n = t.numel() * t.element_size()
-            if cur and size + n > limit:
+            n = size[name]
+            if cur and total + n > limit:
                 yield cur
-                cur, size = [], 0
-            cur.append((name, t))
-            size += n
-        if size >= limit // 2:  # close at a layer boundary once half full
+                cur, total = [], 0
+            cur.append(name)
+            total += n
+        if total >= limit // 2:
             yield cur
-            cur, size = [], 0
+            cur, total = [], 0
     if cur:
         yield cur
+
+
+def buckets(tensors: Mapping[str, Any], limit: int) -> Iterator[list[tuple[str, Any]]]:
+    """``(name, tensor)`` lists of at most ``limit`` bytes (one tensor may exceed it), cut
+    at layer boundaries where possible (vLLM's ``layerwise_groups``)."""
+    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    for names in _cut(list(tensors), sizes, limit):
+        yield [(name, tensors[name]) for name in names]
 
 
 def load_into(model: Any, tensors: Mapping[str, Any], limit: int) -> int:

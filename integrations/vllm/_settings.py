@@ -60,6 +60,14 @@ class Settings:
     #: Which ranks keep (and serve) the ``hf`` copy: ``"first"`` (TP rank 0 of each PP stage)
     #: or ``"all"``.
     serve_ranks: str = "first"
+    #: Also serve each rank's parameters in place as the engine-native layout, and start
+    #: from a peer's native layout when one matches this engine exactly (GPU engines; on
+    #: CPU vLLM prepacks weights and the hf copy is served instead).
+    native: bool = True
+    #: Keep the previous version's ``hf`` copy, once its readers drained, as the next swap's
+    #: fetch destination: memory already paged in fetches several times faster than new
+    #: memory, at the cost of that copy staying allocated between swaps.
+    reuse_buffers: bool = True
 
     @classmethod
     def from_config(cls, extra: Optional[Mapping[str, Any]], *, require_model: bool = True) -> "Settings":
@@ -95,6 +103,9 @@ class Settings:
             raise bad("version", f"must be \"latest\" or a positive integer, got {v!r}")
         if self.on_missing not in ON_MISSING:
             raise bad("on_missing", f"must be one of {', '.join(ON_MISSING)}, got {self.on_missing!r}")
+        for key in ("native", "reuse_buffers"):
+            if not isinstance(getattr(self, key), bool):
+                raise bad(key, f"must be true or false, got {getattr(self, key)!r}")
         if self.serve_ranks not in ("first", "all"):
             raise bad("serve_ranks", f"must be \"first\" or \"all\", got {self.serve_ranks!r}")
         for key in ("connect_timeout", "wait_timeout", "fetch_timeout", "drain_timeout", "bucket_bytes"):

@@ -5,16 +5,22 @@ Runs in every vLLM worker process (one per TP/PP rank), inside vLLM's ``get_mode
 1. ``load_weights`` (before ``process_weights_after_loading``): connect to the coordinator,
    resolve the version (TP rank 0 decides, the group follows), fetch it in the ``hf``
    layout and stream it through ``model.load_weights`` in buckets of at most
-   ``bucket_bytes``, cut at layer boundaries. With no complete version, ``on_missing``
+   ``bucket_bytes``, cut at layer boundaries. A rank that serves no copy
+   (``serve_ranks="first"``, TP rank > 0) reads bucket by bucket into one reused buffer
+   (``Hub.fetch(names=...)``): its extra memory is one bucket, not the model. A hot-swap
+   still fetches the whole version before applying it, so that a failed fetch leaves
+   the old weights intact on every rank. With no complete version, ``on_missing``
    decides: ``disk`` reads ``--model DIR``'s safetensors (and publishes them afterwards),
    ``wait`` waits for one, ``error`` stops the start with one line naming the setting.
 2. ``load_model`` (after ``process_weights_after_loading``): the serving rank(s) register
    the ``hf`` copy with the coordinator (a fetched copy is already registered by the fetch;
    a disk copy is published as a new version, which the other ranks then learn).
 
-Engine-native layouts (raw parameter bytes under a layout fingerprint) are not used:
-on CPU vLLM prepacks linear weights and leaves the parameters empty, so only the ``hf``
-copy is servable there (see ``_runtime`` for its memory cost).
+With ``native`` (default on), every rank also registers its processed parameters in place
+as the engine-native layout, and a start whose fingerprint matches a complete native
+layout copies its shard raw, with no ``load_weights`` (see ``_native``). On CPU vLLM
+prepacks linear weights, so only the ``hf`` copy is servable there (see ``_runtime`` for
+its memory cost).
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import time
 from typing import Any, Optional
 
 from ._settings import Settings, SettingsError
-from . import _runtime
+from . import _native, _runtime
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,7 @@ def make_loader_class() -> type:
                 raise SettingsError("tensorhub: --model-loader-extra-config must be a JSON object")
             self.settings = Settings.from_config(extra)
             self._pending_disk: Optional[dict] = None
+            self._pending_native: Any = None
 
         def download_model(self, model_config: Any) -> None:
             """Nothing to download: the weights come from peers."""
@@ -76,21 +84,55 @@ def make_loader_class() -> type:
             s = self.settings
             st = _runtime.connect(s)
             v = _runtime.resolve(st, s.version, on_missing=s.on_missing)
+            if s.native:  # before any weight lands: the same on the engine that publishes and the one that reads
+                st.layout = _native.fingerprint(model, model_config, tp_size=st.tp_size, pp_size=st.pp_size,
+                                                pp_rank=st.pp_rank)
+            if v is not None and s.native:
+                got = self._fetch_native(st, v)
+                if got is not None:  # copied over the parameters once vLLM processed them
+                    self._pending_native, st.version = got, v
+                    return
             if v is None:
                 tensors = _read_disk(model_config.model)
                 self._pending_disk = tensors
                 _runtime.load_into(model, tensors, s.bucket_bytes)
                 return
+            if not st.serving:  # nothing to keep: stream buckets through one reused buffer
+                st.version, st.specs = v, _runtime.stream_into(st, model, v, s.bucket_bytes)
+                return
             got = _runtime.fetch(st, v)
             _runtime.load_into(model, got, s.bucket_bytes)
-            st.version, st.specs = v, _runtime.specs_of(got)
-            st.copy = got if st.serving else None
+            st.version, st.specs, st.copy = v, _runtime.specs_of(got), got
+
+        def _fetch_native(self, st: Any, v: int) -> Any:
+            """This rank's shard of ``v`` in the engine's native layout, if complete; else None
+            (the caller reads the hf layout, also when this read fails)."""
+            s = self.settings
+            try:
+                shard = _native.shard_of(st.rank, st.tp_size, st.pp_rank)
+                if not _native.available(st.hub, s.model, v, st.layout, shard):
+                    return None
+                t0 = time.monotonic()
+                got = st.hub.fetch(s.model, v, layout=st.layout, shard=shard, serve=False, timeout=s.fetch_timeout)
+            except Exception as e:
+                logger.warning("tensorhub: reading %s v%d in the native layout %s failed (%s); reading the hf "
+                               "layout instead", s.model, v, st.layout, e)
+                return None
+            logger.info("tensorhub: fetched %s v%d (native layout %s): %.1f MB in %.2fs (%.2f GB/s) from %s",
+                        s.model, v, st.layout, got.nbytes / 1e6, time.monotonic() - t0, got.gbps, got.sources)
+            return got
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             model = super().load_model(vllm_config, model_config, prefix)
             st = _runtime.get_state()
             if st is None:
                 return model
+            if self._pending_native is not None:  # raw bytes over the processed parameters
+                got, self._pending_native = self._pending_native, None
+                n = _native.copy_into(model, got)
+                del got
+                logger.info("tensorhub: loaded %s v%d raw from the native layout (%.1f MB, no load_weights)",
+                            self.settings.model, st.version, n / 1e6)
             if self._pending_disk is not None:  # publish what we read from disk, as a new version
                 tensors, self._pending_disk = self._pending_disk, None
                 v = None
@@ -103,8 +145,10 @@ def make_loader_class() -> type:
                     st.hub.publish(self.settings.model, tensors, version=v, layout="hf")
                 st.version, st.specs = v, _runtime.specs_of(tensors)
                 st.copy = tensors if st.serving else None
-            logger.info("tensorhub: engine worker (tp rank %d) runs %s v%s%s", st.rank, self.settings.model,
-                        st.version, " and serves its hf copy" if st.serving else "")
+            _native.publish(st, model)
+            logger.info("tensorhub: engine worker (tp rank %d) runs %s v%s%s%s", st.rank, self.settings.model,
+                        st.version, " and serves its hf copy" if st.copy is not None else "",
+                        f" and its parameters as layout {st.layout}" if st.native else "")
             return model
 
     return TensorHubModelLoader

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ._settings import Settings, SettingsError
-from . import _runtime
+from . import _native, _runtime
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +118,13 @@ class _Mixin:
         try:
             v = _runtime.resolve(st, requested, on_missing="error", what="update_info 'version'")
             if v != old_v:
-                got = _runtime.fetch(st, v)
+                with _RETIRE_LOCK:
+                    spare, st.spare = st.spare, None  # a failed fetch leaves it in no known state: dropped
+                got = _runtime.fetch(st, v, into=spare)
                 _runtime.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
+                # The parameters are served in place: no reader may be reading them when
+                # they change. Unpublish the running version (every layout) and let it drain.
+                _native.withdraw(st)
         except Exception as e:
             err = str(e).removeprefix("tensorhub: ")
         # Every rank of the TP group applies the new version, or none does.
@@ -127,6 +132,7 @@ class _Mixin:
         if errors:
             if got is not None and st.serving:
                 self._retire(st, v, got, reason="another rank failed")
+            _native.publish(st, self.model)  # type: ignore[attr-defined]  # the unchanged parameters again
             self._report_swap(st, requested, getattr(self, "_swap_t0", None) or t0, ok=False)
             self._swap_t0 = None  # vLLM ends the session: no finish_weight_update follows
             rank, why = errors[0]
@@ -137,10 +143,13 @@ class _Mixin:
             logger.info("tensorhub: already at %s v%d", s.model, v)
             return
         t1 = time.monotonic()
-        self._apply(got, s.bucket_bytes)
+        self._apply(got)
         t2 = time.monotonic()
         old_copy = st.copy
         st.version, st.specs, st.copy = v, _runtime.specs_of(got), (got if st.serving else None)
+        _native.publish(st, self.model)  # type: ignore[attr-defined]
+        if not st.serving and s.reuse_buffers:  # never served: reusable at once
+            st.spare = dict(got)
         # Draining the old version's readers must not stall the engine: do it off the call.
         threading.Thread(target=self._retire, args=(st, old_v, old_copy), name="tensorhub-retire",
                          daemon=True).start()
@@ -152,7 +161,7 @@ class _Mixin:
             self._report_swap(st, v, t0, ok=True, parts=self._swap_parts)
             self._swap_parts = None
 
-    def _apply(self, tensors: Any, limit: int) -> None:
+    def _apply(self, tensors: Any) -> None:
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -160,7 +169,9 @@ class _Mixin:
 
         model = self.model  # type: ignore[attr-defined]
         initialize_layerwise_reload(model)
-        _runtime.load_into(model, tensors, limit)
+        # One pass, as vLLM's own reload_weights does: the whole version is in memory
+        # already, so buckets would bound nothing and only add calls.
+        model.load_weights(iter(tensors.items()))
         finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
 
     @staticmethod
@@ -185,6 +196,11 @@ class _Mixin:
                 except tensorhub.TensorHubError as e:
                     logger.warning("tensorhub: keeping %s v%d allocated: %s", st.settings.model, v, e)
                     st.retired.append((v, copy))
+                    continue
+                # Drained: nobody reads it any more. Keep one as the next swap's destination.
+                if st.settings.reuse_buffers and st.spare is None and st.specs is not None \
+                        and _runtime.specs_of(copy) == st.specs:
+                    st.spare = dict(copy)
 
     def finish_weight_update(self) -> None:
         t0, parts = getattr(self, "_swap_t0", None), getattr(self, "_swap_parts", None)

@@ -239,6 +239,8 @@ def test_tp2_engine_loads_from_peers(fleet):
         assert tp.call("generate", prompts=PROMPTS)["ids"] == ref["ids"]
         reps = _replicas(fleet["url"], 2)
         assert reps.get("engine-tp-tp0") == "hf" and "engine-tp-tp1" not in reps, reps  # serve_ranks="first"
+        # rank 1 keeps no copy: it streamed v2 through one bucket-sized buffer
+        assert "tensorhub: streamed policy v2 (hf)" in tp.log_tail(400_000), tp.log_tail(3000)
         # both ranks swap to the same "latest" (rank 0 resolves it)
         trainer = fleet["trainer"]
         w = make_weights(2)
@@ -281,6 +283,55 @@ def test_source_killed_during_swap(fleet):
     assert set(got.sources) == {"engine-b"}
     assert _digest(got) == _digest(make_weights(2))
     assert b.generate(PROMPTS) == fleet["seed2_text"]  # same bytes as the TP=2 engine ran
+
+
+def test_source_killed_mid_transfer(fleet):
+    """The source is stopped, the swap starts reading from it (a lease names it), then the
+    source is SIGKILLed mid-transfer: the engine re-reads from the other replica and loads
+    the right bytes."""
+    import os
+    import signal
+    import threading
+    import time
+
+    b, trainer = fleet["b"], fleet["trainer"]
+    src = Publisher(fleet["url"], seed=4, worker_id="doomed-mid")
+    result: dict = {}
+    try:
+        v = src.version
+        trainer.fetch(MODEL, v)  # a second replica
+        doomed = next(r["replica_id"] for m in _status(fleet["url"])["models"] if m["model"] == MODEL
+                      for ver in m["versions"] if ver["version"] == v for r in ver["replicas"]
+                      if r["worker_id"] == "doomed-mid")
+        os.kill(src.proc.pid, signal.SIGSTOP)  # reads from it cannot finish now
+        assert b.post("/start_weight_update").status_code == 200
+
+        def swap() -> None:
+            result["update"] = b.post("/update_weights", {"update_info": {"version": v}})
+
+        t = threading.Thread(target=swap)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not any(l["worker_id"] == "engine-b" and doomed in l["replicas"]
+                      for l in _status(fleet["url"])["leases"]):
+            assert t.is_alive(), f"the swap ended before reading from the source: {result}"
+            assert time.monotonic() < deadline, "engine-b never leased the doomed replica"
+            time.sleep(0.05)
+        time.sleep(0.3)  # its reads are in flight
+        assert t.is_alive()
+        src.kill()  # SIGKILL works on a stopped process
+        t.join(120)
+        assert result["update"].status_code == 200, result["update"].text
+        assert b.post("/finish_weight_update", {"weight_version": str(v)}).status_code == 200
+    finally:
+        src.kill()
+    log = b.log_tail(400_000)
+    line = next(l for l in log.splitlines() if f"tensorhub: fetched policy v{v} (hf)" in l)
+    assert "failed sources [" in line and doomed in line, line
+    trainer.unpublish(MODEL, v, timeout=30)
+    got = trainer.fetch(MODEL, v, serve=False)  # B's copy, every byte
+    assert set(got.sources) == {"engine-b"}
+    assert _digest(got) == _digest(make_weights(4))
 
 
 def test_follow_drives_the_server(fleet):

@@ -1,0 +1,127 @@
+"""Cold start of a rank that serves no copy: bucket by bucket through one reused buffer.
+
+Unit level (an embedded coordinator, the in-memory transport, a recording stand-in for
+the model's ``load_weights``); the real engine path is the TP=2 test in
+test_vllm_adapter.py, whose rank 1 loads this way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+import tensorhub
+from integrations.vllm import _runtime
+from integrations.vllm._settings import Settings
+from tensorhub.testing import InMemoryTransport, digest
+
+
+def _llama_like(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {"model.embed_tokens.weight": torch.randn(512, 128, generator=g)}
+    for i in range(4):
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "mlp.up_proj", "mlp.down_proj"):
+            out[f"model.layers.{i}.{part}.weight"] = torch.randn(128, 128, generator=g)
+        out[f"model.layers.{i}.input_layernorm.weight"] = torch.randn(128, generator=g).to(torch.bfloat16)
+    out["lm_head.weight"] = torch.randn(512, 128, generator=g)
+    return out
+
+
+class Recorder:
+    """Stands in for ``model.load_weights``: keeps a digest of every tensor it is fed and
+    where its bytes lie (to check the buffer is reused)."""
+
+    def __init__(self) -> None:
+        self.seen: dict = {}
+        self.calls: list = []
+
+    def load_weights(self, weights) -> None:
+        batch = list(weights)
+        self.calls.append([(n, t.data_ptr()) for n, t in batch])
+        for n, t in batch:
+            self.seen[n] = hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture
+def hubs(embedded):
+    made = []
+
+    def make(name):
+        h = tensorhub.connect(embedded.url, worker_id=name, transport=InMemoryTransport(), heartbeat_interval=0.2)
+        made.append(h)
+        return h
+
+    yield embedded.url, make
+    for h in made:
+        h.close()
+
+
+def test_stream_into_feeds_every_tensor_once_through_one_bounded_buffer(hubs, caplog):
+    url, make = hubs
+    w = _llama_like(3)
+    v = make("trainer").publish("policy", w)
+    limit = 200_000  # ~3 tensors of 64 KB: many buckets
+    s = Settings.from_config({"coordinator": url, "model": "policy", "bucket_bytes": limit})
+    st = _runtime.WorkerState(s, make("rank1"), rank=1, tp_size=2, serving=False)
+    model = Recorder()
+    with caplog.at_level("INFO", logger="integrations.vllm._runtime"):
+        specs = _runtime.stream_into(st, model, v, limit)
+    assert model.seen == digest(w)  # every tensor, right bytes
+    assert sum(len(c) for c in model.calls) == len(w)  # each exactly once
+    assert len(model.calls) > 3
+    assert specs == _runtime.specs_of(w)
+    biggest = max(t.numel() * t.element_size() for t in w.values())
+    addrs = [p for call in model.calls for _, p in call]
+    assert max(addrs) - min(addrs) < limit + biggest + 4096  # one reused buffer, not the model
+    for call in model.calls:  # bounded buckets (one tensor alone may exceed the limit)
+        nbytes = sum(w[n].numel() * w[n].element_size() for n, _ in call)
+        assert nbytes <= limit or len(call) == 1, call
+    assert st.hub.held() == []  # nothing registered: this rank serves no copy
+    assert any("bucket(s) through one" in r.getMessage() for r in caplog.records)
+
+
+def test_stream_into_a_missing_version_is_a_clear_error(hubs):
+    url, make = hubs
+    make("trainer").publish("policy", _llama_like(1))
+    s = Settings.from_config({"coordinator": url, "model": "policy"})
+    st = _runtime.WorkerState(s, make("rank1"), rank=1, tp_size=2, serving=False)
+    with pytest.raises(tensorhub.NotFoundError, match="no version 7"):
+        _runtime.stream_into(st, Recorder(), 7, 1 << 20)
+
+
+def test_a_drained_copy_becomes_the_next_swaps_destination(hubs):
+    """reuse_buffers: once readers of the old version drained, its copy is kept (same
+    tensors) and the next fetch lands in it: no new memory, the new bytes."""
+    from integrations.vllm.transfer import _Mixin
+
+    url, make = hubs
+    trainer = make("trainer")
+    w1, w2 = _llama_like(1), _llama_like(2)
+    v1 = trainer.publish("policy", w1)
+    s = Settings.from_config({"coordinator": url, "model": "policy", "drain_timeout": 5})
+    st = _runtime.WorkerState(s, make("engine"), rank=0, tp_size=1, serving=True)
+    got1 = _runtime.fetch(st, v1)
+    st.version, st.specs, st.copy = v1, _runtime.specs_of(got1), got1
+    v2 = trainer.publish("policy", w2)
+    _Mixin._retire(st, v1, got1)  # the swap's background step, after v2 was applied
+    assert st.spare is not None and all(st.spare[k].data_ptr() == got1[k].data_ptr() for k in w1)
+    assert ("policy", v1, "hf", 0) not in st.hub.held()
+    got2 = _runtime.fetch(st, v2, into=st.spare)
+    assert all(got2[k].data_ptr() == got1[k].data_ptr() for k in w2)  # the same memory
+    assert digest(dict(got2)) == digest(w2)
+    assert ("policy", v2, "hf", 0) in st.hub.held()  # and served from there
+    # a copy whose tensors differ from the running version's is not kept
+    st.spare, st.specs = None, {"other": ((1,), torch.float32)}
+    v3 = trainer.publish("policy", _llama_like(3))
+    _Mixin._retire(st, v2, got2)
+    assert st.spare is None
+    # reuse_buffers=false never keeps one
+    st2 = _runtime.WorkerState(Settings.from_config({"coordinator": url, "model": "policy", "reuse_buffers": False}),
+                               make("engine2"), serving=True)
+    got3 = _runtime.fetch(st2, v3)
+    st2.version, st2.specs = v3, _runtime.specs_of(got3)
+    trainer.publish("policy", _llama_like(4))
+    _Mixin._retire(st2, v3, got3)
+    assert st2.spare is None
