@@ -211,16 +211,21 @@ def publish_native(st: WorkerState, model: Any, version: int) -> None:
                 sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6)
 
 
-def native_complete(st: WorkerState, version: int) -> bool:
-    """Whether the coordinator has ``version`` complete in this rank's native layout."""
+def choose_layout(st: WorkerState, version: int) -> str:
+    """The layout the TP group reads ``version`` in (rank 0 asks, the group follows): the
+    native one when the coordinator has it complete, else ``hf``. Never raises: a status
+    that cannot be read means ``hf``."""
     if not st.settings.native or st.layout is None:
-        return False
-    for m in st.hub.api.get("/v1/status")["models"]:
-        if m["model"] == st.settings.model:
-            for v in m["versions"]:
-                if v["version"] == version:
-                    return bool(v["layouts"].get(st.layout, {}).get("complete"))
-    return False
+        return "hf"
+    try:
+        for m in st.hub.api.get("/v1/status")["models"]:
+            if m["model"] == st.settings.model:
+                for v in m["versions"]:
+                    if v["version"] == version and v["layouts"].get(st.layout, {}).get("complete"):
+                        return st.layout
+    except Exception as e:
+        logger.warning("tensorhub: could not read the coordinator's status (%s); reading hf", e)
+    return "hf"
 
 
 def fetch(st: WorkerState, version: int, layout: str = "hf") -> Any:

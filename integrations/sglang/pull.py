@@ -111,7 +111,7 @@ def swap(st: "_runtime.WorkerState", model: Any, requested: Union[int, str], *, 
             if st.layout is None and s.native:
                 st.layout = _runtime.fingerprint(model, st)
             # Every rank must read the same layout: rank 0 looks, the group follows.
-            layout = _runtime.broadcast(st.layout if st.rank == 0 and _runtime.native_complete(st, v) else "hf")
+            layout = _runtime.broadcast(_runtime.choose_layout(st, v) if st.rank == 0 else None)
             got = _runtime.fetch(st, v, layout)
             if layout == "hf":
                 _runtime.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
