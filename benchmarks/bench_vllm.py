@@ -20,7 +20,10 @@ tokenizer; default hidden 1024, intermediate 4096, 16 layers, vocab 32,000: 1.24
     * ``tensorhub``: ``/pause``, ``/start_weight_update``, ``/update_weights {"version":
       2}``, ``/finish_weight_update``, ``/resume``; the publisher holds v2.
     Both engines then generate greedily on the same prompts: outputs must be equal (both
-    serve v2).
+    serve v2). With ``--swaps N`` (default 3) both engines keep swapping, between v2's and
+    v1's bytes (the publisher holds each as a new version): the first swap fetches into
+    new memory, later ones into the copy the engine kept from two versions ago
+    (``reuse_buffers``); the table shows the first swap and the median of the later ones.
 
 At most two engines (plus the publisher) are alive at once; engines run float32,
 enforce_eager, 1 GiB KV cache. Local files are in the page cache (just written), so
@@ -249,11 +252,13 @@ def run(args: argparse.Namespace) -> dict:
     engines: list = []
     pub = None
     try:
-        pub = subprocess.Popen([sys.executable, "-c", _PUBLISHER, url, MODEL, str(work / "v1"), str(work / "v2")],
+        dirs = [work / ("v2" if i % 2 else "v1") for i in range(1 + max(1, args.swaps))]
+        pub = subprocess.Popen([sys.executable, "-c", _PUBLISHER, url, MODEL, *map(str, dirs)],
                                stdout=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
         _LIVE.append(pub)
-        v1, v2 = (int(pub.stdout.readline().split()[1]) for _ in range(2))
-        print(f"publisher holds v{v1} and v{v2}", flush=True)
+        versions = [int(pub.stdout.readline().split()[1]) for _ in dirs]
+        v1, v2 = versions[0], versions[1]
+        print(f"publisher holds versions {versions} (v1's and v2's bytes, alternating)", flush=True)
 
         # (b) time to ready: the default loader on local files, then tensorhub from the publisher
         disk = Server("disk", work / "v1", [], work / "disk.log")
@@ -271,19 +276,26 @@ def run(args: argparse.Namespace) -> dict:
         v1_disk, v1_th = disk.generate(), th.generate()
         res["v1_outputs_equal"] = v1_disk == v1_th
 
-        # (a) hot-swap stall to v2
-        res["swap"] = {
-            "disk": disk.swap([
+        # (a) hot-swap stalls: to v2, then on between v1's and v2's bytes
+        res["swaps"] = {"disk": [], "tensorhub": []}
+        for i, v in enumerate(versions[1:], 1):
+            res["swaps"]["disk"].append(disk.swap([
                 ("reload_weights", "/collective_rpc",
-                 {"method": "reload_weights", "kwargs": {"weights_path": str(work / "v2")}}),
-            ]),
-            "tensorhub": th.swap([
+                 {"method": "reload_weights", "kwargs": {"weights_path": str(dirs[i])}}),
+            ]))
+            res["swaps"]["tensorhub"].append(th.swap([
                 ("start_weight_update", "/start_weight_update", None),
-                ("update_weights", "/update_weights", {"update_info": {"version": v2}}),
-                ("finish_weight_update", "/finish_weight_update", {"weight_version": str(v2)}),
-            ]),
-        }
-        v2_disk, v2_th = disk.generate(), th.generate()
+                ("update_weights", "/update_weights", {"update_info": {"version": v}}),
+                ("finish_weight_update", "/finish_weight_update", {"weight_version": str(v)}),
+            ]))
+            print(f"swap {i} to v{v}: disk {res['swaps']['disk'][-1]['stall']:.2f} s, "
+                  f"tensorhub {res['swaps']['tensorhub'][-1]['stall']:.2f} s", flush=True)
+            time.sleep(2)  # between swaps, as between RL steps: the old copy drains meanwhile
+            if i == 1:
+                v2_disk, v2_th = disk.generate(), th.generate()
+        res["swap"] = {k: runs[0] for k, runs in res["swaps"].items()}
+        last_disk, last_th = disk.generate(), th.generate()
+        res["last_outputs_equal"] = last_disk == last_th
         res["v2_outputs_equal"] = v2_disk == v2_th
         res["outputs_changed"] = v2_disk != v1_disk
         res["weight_info"] = th.client.get("/weight_info").json()
@@ -311,11 +323,19 @@ def report(res: dict) -> str:
              "| --- | ---: | ---: | ---: |",
              row("new engine: start to /health", r["disk"]["ready_s"], r["tensorhub"]["ready_s"]),
              row("new engine: reading the weights (loader's log)", r["disk"]["load_s"], r["tensorhub"]["load_s"]),
-             row("hot-swap stall: /pause to /resume", s["disk"]["stall"], s["tensorhub"]["stall"])]
+             row("hot-swap stall: /pause to /resume (first swap)", s["disk"]["stall"], s["tensorhub"]["stall"])]
+    later = {k: sorted(x["stall"] for x in runs[1:]) for k, runs in res.get("swaps", {}).items()}
+    if later.get("disk") and later.get("tensorhub"):
+        med = {k: v[len(v) // 2] for k, v in later.items()}
+        lines.append(row(f"hot-swap stall, later swaps (median of {len(later['disk'])})", med["disk"],
+                         med["tensorhub"]))
     lines.append("disk swap steps: " + ", ".join(f"{k} {v:.2f}" for k, v in s["disk"].items() if k != "stall"))
     lines.append("tensorhub swap steps: " + ", ".join(f"{k} {v:.2f}" for k, v in s["tensorhub"].items()
                                                    if k != "stall"))
-    lines.append(f"greedy outputs equal on v1: {res['v1_outputs_equal']}, on v2: {res['v2_outputs_equal']} "
+    lines.append("tensorhub later swaps: " + "; ".join(
+        ", ".join(f"{k} {v:.2f}" for k, v in x.items()) for x in res.get("swaps", {}).get("tensorhub", [])[1:]))
+    lines.append(f"greedy outputs equal on v1: {res['v1_outputs_equal']}, on v2: {res['v2_outputs_equal']}, "
+                 f"after the last swap: {res.get('last_outputs_equal')} "
                  f"(changed by the swap: {res['outputs_changed']}); tensorhub /weight_info: {res['weight_info']}")
     return "\n".join(lines)
 
@@ -328,6 +348,7 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--workdir", help="where the model directories go (default: a new temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, models)")
+    p.add_argument("--swaps", type=int, default=3, help="hot-swaps per engine (the first to v2)")
     p.add_argument("--json", default=str(ROOT / "out" / "bench_vllm.json"), help="where to write the results")
     args = p.parse_args(argv)
 
@@ -344,7 +365,7 @@ def main(argv: Optional[list] = None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.json}")
-    return 0 if res["v2_outputs_equal"] and res["v1_outputs_equal"] else 1
+    return 0 if res["v2_outputs_equal"] and res["v1_outputs_equal"] and res["last_outputs_equal"] else 1
 
 
 if __name__ == "__main__":

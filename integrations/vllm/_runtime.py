@@ -206,9 +206,10 @@ def fetch(st: WorkerState, version: int, into: Optional[Mapping[str, Any]] = Non
     s = st.settings
     t0 = time.monotonic()
     got = st.hub.fetch(s.model, version, layout="hf", serve=st.serving, timeout=s.fetch_timeout, into=into)
-    logger.info("tensorhub: fetched %s v%d (hf): %.1f MB in %.2fs (%.2f GB/s) from %s%s",
+    logger.info("tensorhub: fetched %s v%d (hf): %.1f MB in %.2fs (%.2f GB/s) from %s%s%s",
                 s.model, version, got.nbytes / 1e6, time.monotonic() - t0, got.gbps, got.sources,
-                f"; failed sources {got.failed_sources}" if got.failed_sources else "")
+                f"; failed sources {got.failed_sources}" if got.failed_sources else "",
+                "; into the kept copy of an older version" if into is not None else "")
     return got
 
 
