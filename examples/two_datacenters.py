@@ -18,7 +18,11 @@ Every fetch is checked against the trainer's sha256. The example ends with ``all
 verified`` and exits 0, or exits 1.
 
     sudo python examples/two_datacenters.py [--mib 32] [--versions 2] [--net auto|netns|loopback]
-        [--json out/two_datacenters.json]
+        [--compare] [--json out/two_datacenters.json]
+
+``--compare`` adds a baseline round: a fresh version that each engine of ``b`` reads on its
+own from the complete replicas in ``a`` (no pipelining, nobody serves what it read), so
+each copy crosses the link.
 
 Each process is this file: ``worker`` as the first argument runs one Hub client that
 takes JSON commands on stdin.
@@ -90,6 +94,13 @@ def worker(name: str, url: str) -> int:
                 if len(published) > 2:
                     hub.unpublish(MODEL, published.pop(0), timeout=60)
                 say(ok={"version": v, "sha256": checksum(w)})
+            elif cmd["op"] == "direct":  # the baseline: read complete replicas only, keep nothing
+                hub.pipelined = False
+                try:
+                    f = hub.fetch(MODEL, cmd["version"], serve=False)
+                finally:
+                    hub.pipelined = True
+                say(ok={"version": f.version, "sha256": checksum(f), "seconds": f.seconds, "sources": f.sources})
             elif cmd["op"] == "follow":  # engine: move to the newest version, in place
                 v = hub.wait_for_version(MODEL, newer_than=seen, timeout=60)
                 if params is not None:
@@ -177,10 +188,34 @@ def run(args: argparse.Namespace, tb: Any, url: str, logs: Path) -> dict:
                 line += f", {row['link_x']:.2f}x on the link's counters (TCP/IP headers included)"
             print(line, flush=True)
             result["versions"].append(row)
+        if args.compare:
+            # Baseline: a fresh version, and every engine of b reads it on its own from complete
+            # replicas (no pipelining, nobody serves what it read): each copy crosses the link.
+            pub = trainer.call(op="publish", seed=1000, mib=args.mib)
+            v, want = pub["version"], pub["sha256"]
+            far_engines = [e for e in engines if HOSTS[e.name] != "a"]
+            link0 = tb.xdc_bytes()["forward"] if tb is not None else None
+            for e in far_engines:
+                e.send(op="direct", version=v)
+            naive = {"version": v, "accounted_crossing": 0, "bytes_ok": True, "seconds": 0.0}
+            for e in far_engines:
+                r = e.recv()
+                naive["bytes_ok"] &= r["sha256"] == want
+                naive["seconds"] = max(naive["seconds"], r["seconds"])
+                naive["accounted_crossing"] += sum(n for w, n in r["sources"].items() if HOSTS[w] != "b")
+            naive["accounted_x"] = naive["accounted_crossing"] / (args.mib * MiB)
+            line = (f"baseline v{v}: each of {len(far_engines)} engines of b reads on its own: slowest "
+                    f"{naive['seconds']:.2f}s, crossed {naive['accounted_x']:.2f}x (readers' accounting)")
+            if tb is not None:
+                naive["link_x"] = (tb.xdc_bytes()["forward"] - link0) / (args.mib * MiB)
+                line += f", {naive['link_x']:.2f}x on the link's counters"
+            print(line + f"  bytes {'OK' if naive['bytes_ok'] else 'WRONG'}", flush=True)
+            result["naive"] = naive
     finally:
         for p in reversed(procs):
             p.stop()
-    result["all_bytes_ok"] = all(f["bytes_ok"] for row in result["versions"] for f in row["fetches"].values())
+    result["all_bytes_ok"] = all(f["bytes_ok"] for row in result["versions"] for f in row["fetches"].values()) \
+        and result.get("naive", {}).get("bytes_ok", True)
     return result
 
 
@@ -195,6 +230,8 @@ def main() -> int:
                          "auto: netns when this machine can")
     ap.add_argument("--host-rate", default="1gbit", help="each host's link (netns only)")
     ap.add_argument("--xdc-rate", default="100mbit", help="the link between the datacenters (netns only)")
+    ap.add_argument("--compare", action="store_true",
+                    help="then a baseline version that every engine of b reads on its own")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 

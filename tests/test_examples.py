@@ -83,11 +83,15 @@ def test_two_datacenters_on_loopback_labels():
 def test_two_datacenters_on_emulated_hosts_cross_the_slow_link_once():
     if not _netns:  # CI runs as root with iproute2 from scripts/setup.sh: there it must run
         pytest.fail(f"the testbed must run in CI: {_why}")
-    _, res = _run("two_datacenters.py", "--net", "netns", "--mib", "8", "--xdc-rate", "200mbit")
+    _, res = _run("two_datacenters.py", "--net", "netns", "--mib", "8", "--xdc-rate", "200mbit", "--compare")
     assert res["net"] == "netns"
     _check_two_dc(res, 8)
     for row in res["versions"]:  # the link's own counters agree (plus TCP/IP headers)
         assert 0.95 < row["link_x"] < 1.3, row
+    # the baseline (every engine of b reads on its own) puts three copies on the same link
+    naive = res["naive"]
+    assert naive["bytes_ok"] and naive["accounted_x"] == pytest.approx(3.0), naive
+    assert 2.85 < naive["link_x"] < 3.9, naive
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert res["testbed_namespaces"] and not set(res["testbed_namespaces"]) & set(left), \
         "the example left network namespaces behind"
