@@ -12,12 +12,13 @@
   ``/update_weights``, ``/finish_weight_update``, ``/resume``: the adapter's follow-mode
   swap), then serve greedy rollouts.
 * ``engine-c`` starts once the job runs (the two others serve), the same way; it loads
-  whatever version is newest when it is up, from whoever holds it, and follows from then on.
+  the version that is newest when its loader runs, from whoever holds it, and follows from
+  then on (catching up first if newer ones came out while it finished starting).
 
 For every engine load and swap it prints the stall (``/pause`` to ``/resume``), the bytes
 moved and which worker(s) they came from (the adapter's fetch line in the engine's log),
-and checks that the engine really runs the new version: ``/weight_info`` names it, every
-byte of it arrived (the sources add up to the model's size), and the engine's greedy
+and checks that the engine really runs the new version: after a swap ``/weight_info`` names
+it, every byte of it arrived (the sources add up to the model's size), and the engine's greedy
 rollouts equal the trainer's own rollouts of that snapshot, each token's logprob within
 1e-3 (the previous version's are printed too: they are far off). It ends with a summary
 table; ``OUT/demo.json`` holds every row, ``OUT/demo_timeline.png`` shows which version
