@@ -158,7 +158,8 @@ def free_port() -> int:
 
 # ---------------------------------------------------------------- engines
 
-_FETCHED = re.compile(r"tensorhub: fetched (\S+) v(\d+) \(hf\): [\d.]+ MB in ([\d.]+)s .*? from (\{[^}]*\})")
+# The adapter's line per fetch (load or swap), in the engine's log: its sources are exact bytes.
+_FETCHED = re.compile(r"tensorhub: fetched (\S+) v(\d+) \([^)]*\): [\d.]+ MB in ([\d.]+)s .*? from (\{[^}]*\})")
 
 
 class Engine:
