@@ -14,6 +14,7 @@ The engines share one coordinator and are used in order (start, swaps, peers, se
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -271,7 +272,7 @@ def test_on_missing_disk_publishes_the_weight_files(hub_env):
     assert w.call("digest") == _ref(hub_env, 5)
 
 
-def test_tensorhub_follow_drives_sglang_endpoints(hub_env, engine_a):
+def test_tensorhub_follow_drives_sglang_endpoints(hub_env, engine_a, workers):
     """``tensorhub follow --engine sglang+http://...`` against SGLang's endpoint paths and
     request types, served by the worker in front of SGLang's WeightUpdater (SGLang's own
     HTTP server needs CUDA to start)."""
@@ -290,6 +291,12 @@ def test_tensorhub_follow_drives_sglang_endpoints(hub_env, engine_a):
     try:
         first = follow.stdout.readline()
         assert f"engine at v{start}" in first and "tp 1" in first, first + follow.stderr.read()
+        # A version of another model shape: the swap fails, the engine keeps its weights.
+        bad = workers(hub_env["url"], "wrong-trainer").call("publish", seed=1, nbytes=1 << 16)
+        deadline = time.monotonic() + 120
+        while "update_weights_from_tensor" not in a.call("http_calls") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert a.call("held")["version"] == start
         v = _publish(hub_env, 6)
         out, err = follow.communicate(timeout=240)
     finally:
@@ -297,7 +304,10 @@ def test_tensorhub_follow_drives_sglang_endpoints(hub_env, engine_a):
             follow.kill()
     assert follow.returncode == 0, err
     assert out.startswith(f"v{v}: stall ") and "holders trainer-6" in out, out + err
-    assert a.call("http_calls") == ["pause_generation", "begin_weight_update", "update_weights_from_tensor",
-                                    "end_weight_update", "continue_generation"]
+    assert f"v{bad}: swap failed, engine kept v{start}" in err and "has no tensor" in err, err
+    one = ["pause_generation", "begin_weight_update", "update_weights_from_tensor", "end_weight_update",
+           "continue_generation"]
+    calls = a.call("http_calls")
+    assert len(calls) % 5 == 0 and calls == one * (len(calls) // 5)  # failed tries closed and resumed too
     assert a.call("held")["version"] == v
     assert a.call("digest") == _ref(hub_env, 6)
