@@ -29,7 +29,7 @@ import re
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
 from integrations.vllm._runtime import _probe, _resolve_here, check_same_layout, specs_of
@@ -64,15 +64,6 @@ class WorkerState:
 
 def get_state() -> Optional[WorkerState]:
     return _STATE
-
-
-def reset_state() -> None:
-    """Forget the process's state (tests; the Hub is closed)."""
-    global _STATE
-    with _LOCK:
-        if _STATE is not None:
-            _STATE.hub.close()
-        _STATE = None
 
 
 def ranks() -> tuple[int, int, int, int]:

@@ -72,7 +72,6 @@ def make_loader_class() -> type:
         def load_model(self, *, model_config: Any, device_config: Any) -> Any:
             import torch
             from sglang.srt.model_loader.loader import (
-                DefaultModelLoader,
                 _get_quantization_config,
                 _initialize_model,
                 set_default_torch_dtype,

@@ -1,7 +1,7 @@
 """Hot-swap an SGLang engine to a TensorHub version: a ``--custom-weight-loader`` function.
 
-Start the server with ``--custom-weight-loader integrations.sglang.pull.pull`` (and
-``--load-format tensorhub``, or ``TENSORHUB_COORDINATOR`` plus ``TENSORHUB_MODEL``), then
+Start the server with ``--custom-weight-loader integrations.sglang.pull.pull`` and
+``--load-format tensorhub`` (whose settings name the coordinator and model), then
 drive SGLang's own calls (``tensorhub follow --engine sglang+http://HOST:PORT`` does)::
 
     POST /pause_generation
@@ -35,7 +35,7 @@ import time
 from typing import Any, Optional, Sequence, Union
 
 from . import _runtime
-from ._settings import Settings, SettingsError
+from ._settings import SettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +79,9 @@ def requested_version(named_tensors: Sequence[Any]) -> Union[int, str]:
 
 def _state(model: Any) -> "_runtime.WorkerState":
     st = _runtime.get_state()
-    if st is None:  # the engine was loaded by another loader: settings from the environment
-        import os
-
-        st = _runtime.connect(Settings.from_config({"model": os.environ.get("TENSORHUB_MODEL")}))
+    if st is None:
+        raise SettingsError("tensorhub: the pull function needs an engine started with --load-format tensorhub "
+                            "(its --model-loader-extra-config names the coordinator and the model)")
     return st
 
 
