@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> dict:
                                stdout=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
         _LIVE.append(pub)
         versions = [int(pub.stdout.readline().split()[1]) for _ in dirs]
-        v1, v2 = versions[0], versions[1]
+        v1 = versions[0]
         print(f"publisher holds versions {versions} (v1's and v2's bytes, alternating)", flush=True)
 
         # (b) time to ready: the default loader on local files, then tensorhub from the publisher

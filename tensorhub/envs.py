@@ -45,22 +45,6 @@ def _bool(name: str, default: bool) -> Callable[[], bool]:
             return False
         from ._exceptions import ConfigError
 
-        raise ConfigError(f"{name}={raw!r} is not a boolean (1/0)")
-
-    return get
-
-
-def _bool(name: str, default: bool) -> Callable[[], bool]:
-    def get() -> bool:
-        raw = os.environ.get(name)
-        if raw is None or raw == "":
-            return default
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        from ._exceptions import ConfigError
-
         raise ConfigError(f"{name}={raw!r} is not a boolean (1/0, true/false)")
 
     return get

@@ -5,7 +5,6 @@ Every fetch is checked byte for byte (sha256 per tensor) against the publisher's
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tensorhub.testing import CoordinatorProcess, Faults, Worker, digest, make_weights
+from tensorhub.testing import CoordinatorProcess, Faults, digest, make_weights
 
 pytestmark = pytest.mark.multiprocess
 

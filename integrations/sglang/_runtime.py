@@ -24,15 +24,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
-from integrations.vllm._runtime import _probe, _resolve_here, check_same_layout, specs_of
+from integrations.vllm._runtime import _resolve_here, check_same_layout, open_hub, specs_of
 
 from ._settings import Settings, SettingsError
 
@@ -112,19 +110,9 @@ def connect(settings: Settings) -> WorkerState:
     with _LOCK:
         if _STATE is not None:
             return _STATE
-        import tensorhub
-
         tp_rank, tp_size, pp_rank, pp_size = ranks()
-        _probe(settings)
-        base = settings.worker_id or os.environ.get("TENSORHUB_WORKER_ID") or \
-            f"sglang-{socket.gethostname()}-{os.getpid()}"
-        wid = base + (f"-tp{tp_rank}" if tp_size > 1 else "") + (f"-pp{pp_rank}" if pp_rank else "")
-        try:
-            hub = tensorhub.connect(settings.coordinator, worker_id=wid, locality=settings.locality,
-                                    token=settings.token, fetch_timeout=settings.fetch_timeout)
-        except tensorhub.UnauthorizedError as e:
-            raise SettingsError(f"tensorhub: setting 'token': the coordinator at {settings.coordinator} "
-                                f"refused it ({e.message})") from None
+        hub = open_hub(settings, "sglang", tp_rank, tp_size, pp_rank)
+        wid = hub.worker_id
         serving = settings.serve_ranks == "all" or tp_rank == 0
         _STATE = WorkerState(settings, hub, tp_rank, tp_size, pp_rank, pp_size, serving)
         logger.info("tensorhub: worker %s connected to %s (tp rank %d/%d, serving hf copy: %s)",

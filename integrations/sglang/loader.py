@@ -18,10 +18,10 @@ Runs in every SGLang TP worker (scheduler process), inside ``ModelRunner``'s
 
 from __future__ import annotations
 
-import glob
 import logging
-import os
 from typing import Any
+
+from integrations.vllm._runtime import read_disk
 
 from . import _runtime
 from ._settings import Settings, SettingsError
@@ -30,18 +30,6 @@ from .pull import swap
 logger = logging.getLogger(__name__)
 
 __all__ = ["make_loader_class"]
-
-
-def _read_disk(model_dir: str) -> dict:
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise SettingsError(f"tensorhub: setting 'on_missing'='disk': no *.safetensors in {model_dir}")
-    out: dict = {}
-    for f in files:
-        out.update(load_file(f))
-    return {k: v.contiguous() for k, v in out.items()}
 
 
 def settings_of(load_config: Any) -> Settings:
@@ -113,7 +101,7 @@ def make_loader_class() -> type:
             from sglang.srt.model_loader.loader import DefaultModelLoader
 
             s = self.settings
-            tensors = _read_disk(model_dir)
+            tensors = read_disk(model_dir)
             _runtime.load_into(model, tensors, s.bucket_bytes)
             DefaultModelLoader.postprocess_weights(model, target)
             v = None

@@ -121,25 +121,48 @@ def _probe(settings: Settings) -> None:
                         f"{settings.connect_timeout:g}s ({last})")
 
 
+def open_hub(settings: Settings, engine: str, tp_rank: int, tp_size: int, pp_rank: int) -> Any:
+    """Probe the coordinator and connect this rank's Hub (worker id ``<base>[-tp<r>][-pp<r>]``,
+    base from the settings, ``TENSORHUB_WORKER_ID`` or ``<engine>-<host>-<pid>``); a refused
+    token becomes the one-line settings error. Shared by the vLLM and SGLang adapters."""
+    import tensorhub
+
+    _probe(settings)
+    base = settings.worker_id or os.environ.get("TENSORHUB_WORKER_ID") or \
+        f"{engine}-{socket.gethostname()}-{os.getpid()}"
+    wid = base + (f"-tp{tp_rank}" if tp_size > 1 else "") + (f"-pp{pp_rank}" if pp_rank else "")
+    try:
+        return tensorhub.connect(settings.coordinator, worker_id=wid, locality=settings.locality,
+                                 token=settings.token, fetch_timeout=settings.fetch_timeout)
+    except tensorhub.UnauthorizedError as e:
+        raise SettingsError(f"tensorhub: setting 'token': the coordinator at {settings.coordinator} "
+                            f"refused it ({e.message})") from None
+
+
+def read_disk(model_dir: str) -> dict:
+    """``on_missing="disk"``: every ``*.safetensors`` tensor in ``model_dir``, contiguous."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise SettingsError(f"tensorhub: setting 'on_missing'='disk': no *.safetensors in {model_dir}")
+    out: dict = {}
+    for f in files:
+        out.update(load_file(f))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
 def connect(settings: Settings) -> WorkerState:
     """The process's state, connecting its Hub on first use (same settings expected)."""
     global _STATE
     with _LOCK:
         if _STATE is not None:
             return _STATE
-        import tensorhub
-
         tp_rank, tp_size, pp_rank = ranks()
-        _probe(settings)
-        base = settings.worker_id or os.environ.get("TENSORHUB_WORKER_ID") or \
-            f"vllm-{socket.gethostname()}-{os.getpid()}"
-        wid = base + (f"-tp{tp_rank}" if tp_size > 1 else "") + (f"-pp{pp_rank}" if pp_rank else "")
-        try:
-            hub = tensorhub.connect(settings.coordinator, worker_id=wid, locality=settings.locality,
-                                    token=settings.token, fetch_timeout=settings.fetch_timeout)
-        except tensorhub.UnauthorizedError as e:
-            raise SettingsError(f"tensorhub: setting 'token': the coordinator at {settings.coordinator} "
-                                f"refused it ({e.message})") from None
+        hub = open_hub(settings, "vllm", tp_rank, tp_size, pp_rank)
+        wid = hub.worker_id
         serving = settings.serve_ranks == "all" or tp_rank == 0
         _STATE = WorkerState(settings, hub, tp_rank, tp_size, serving, pp_rank=pp_rank, pp_size=_pp_size())
         logger.info("tensorhub: worker %s connected to %s (tp rank %d/%d, serving hf copy: %s)",

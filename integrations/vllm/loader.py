@@ -25,9 +25,7 @@ its memory cost).
 
 from __future__ import annotations
 
-import glob
 import logging
-import os
 import time
 from typing import Any, Optional
 
@@ -37,18 +35,6 @@ from . import _native, _runtime
 logger = logging.getLogger(__name__)
 
 __all__ = ["make_loader_class"]
-
-
-def _read_disk(model_dir: str) -> dict:
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise SettingsError(f"tensorhub: setting 'on_missing'='disk': no *.safetensors in {model_dir}")
-    out: dict = {}
-    for f in files:
-        out.update(load_file(f))
-    return {k: v.contiguous() for k, v in out.items()}
 
 
 def make_loader_class() -> type:
@@ -93,7 +79,7 @@ def make_loader_class() -> type:
                     self._pending_native, st.version = got, v
                     return
             if v is None:
-                tensors = _read_disk(model_config.model)
+                tensors = _runtime.read_disk(model_config.model)
                 self._pending_disk = tensors
                 _runtime.load_into(model, tensors, s.bucket_bytes)
                 return

@@ -8,7 +8,6 @@ test_native_start_and_swap_on_gpu, marked `gpu`.
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
