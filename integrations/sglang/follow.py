@@ -13,13 +13,11 @@ integrations.sglang.pull.pull``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from integrations.vllm.follow import _holders
+from integrations.vllm.follow import follow, parser
 
 __all__ = ["main", "swap", "engine_version"]
 
@@ -72,50 +70,16 @@ def swap(client, version: int, mode: str, tp: int) -> float:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import httpx
-
-    import tensorhub
-
-    p = argparse.ArgumentParser(prog="tensorhub follow", description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", required=True, help="SGLang server URL, e.g. sglang+http://127.0.0.1:30000")
-    p.add_argument("--model", required=True, help="model name on the coordinator")
-    p.add_argument("--mode", choices=("abort", "retract", "in_place"), default="abort",
-                   help="what /pause_generation does with in-flight requests (default abort)")
-    p.add_argument("--coordinator", help="coordinator URL (default: $TENSORHUB_COORDINATOR)")
-    p.add_argument("--token-file", help="file holding the API token (default: $TENSORHUB_TOKEN)")
-    p.add_argument("--max-swaps", type=int, default=0, help="stop after this many swaps (0: never)")
-    args = p.parse_args(argv)
+    args = parser("SGLang server URL, e.g. sglang+http://127.0.0.1:30000",
+                  ("abort", "retract", "in_place"), __doc__).parse_args(argv)
     url = args.engine.removeprefix(PREFIX).rstrip("/")
-    token = Path(args.token_file).read_text().strip() if args.token_file else None
-    try:
-        hub = tensorhub.connect(args.coordinator, token=token)
-    except tensorhub.TensorHubError as e:
-        print(f"tensorhub follow: {e}", file=sys.stderr)
-        return 2
-    swaps = 0
-    with hub, httpx.Client(base_url=url, timeout=600) as client:
-        current = engine_version(client)
-        tp = tp_size(client)
-        print(f"following {args.model} for SGLang at {url} (tp {tp}, engine at v{current})", flush=True)
-        while not args.max_swaps or swaps < args.max_swaps:
-            try:
-                v = hub.wait_for_version(args.model, newer_than=current, timeout=60)
-            except tensorhub.HubTimeoutError:
-                continue
-            except KeyboardInterrupt:
-                return 130
-            nbytes, holders = _holders(hub, args.model, v)
-            try:
-                stall = swap(client, v, args.mode, tp)
-            except RuntimeError as e:
-                print(f"v{v}: swap failed, engine kept v{current}: {e}", file=sys.stderr, flush=True)
-                time.sleep(1)
-                continue
-            swaps += 1
-            current = v
-            print(f"v{v}: stall {stall:.3f}s, {nbytes / 1e6:.1f} MB from holders {', '.join(holders)}",
-                  flush=True)
-    return 0
+    tp = [1]
+
+    def banner(client: Any) -> tuple[Optional[int], str]:
+        current, tp[0] = engine_version(client), tp_size(client)
+        return current, f"following {args.model} for SGLang at {url} (tp {tp[0]}, engine at v{current})"
+
+    return follow(args, url, banner, lambda client, v, show: swap(client, v, args.mode, tp[0]))
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["main", "swap"]
+__all__ = ["main", "swap", "follow", "parser"]
 
 
 def _post(client, path: str, **kw) -> None:
@@ -110,33 +110,41 @@ def _holders(hub, model: str, version: int) -> tuple[int, list[str]]:
     return 0, []
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    import httpx
-
-    import tensorhub
-
-    p = argparse.ArgumentParser(prog="tensorhub follow", description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", required=True, help="vLLM server URL, e.g. http://127.0.0.1:8000")
+def parser(engine_help: str, modes: Sequence[str], doc: str) -> argparse.ArgumentParser:
+    """The follow options, the same for every engine (``doc``: the engine module's docstring)."""
+    p = argparse.ArgumentParser(prog="tensorhub follow", description=doc.split("\n\n")[0])
+    p.add_argument("--engine", required=True, help=engine_help)
     p.add_argument("--model", required=True, help="model name on the coordinator")
-    p.add_argument("--mode", choices=("abort", "wait", "keep"), default="abort",
-                   help="what /pause does with in-flight requests (default abort)")
+    p.add_argument("--mode", choices=tuple(modes), default=modes[0],
+                   help=f"what pausing does with in-flight requests (default {modes[0]})")
     p.add_argument("--coordinator", help="coordinator URL (default: $TENSORHUB_COORDINATOR)")
     p.add_argument("--token-file", help="file holding the API token (default: $TENSORHUB_TOKEN)")
     p.add_argument("--max-swaps", type=int, default=0, help="stop after this many swaps (0: never)")
-    args = p.parse_args(argv)
+    return p
+
+
+def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tuple[Optional[int], str]],
+           do_swap: Callable[[Any, int, Callable[[float], None]], float]) -> int:
+    """The follow loop shared by the engine adapters: connect, then for each newer complete
+    version ``do_swap(client, version, show)`` (``show(stall)`` draws the progress line),
+    print one line per swap, and keep going after a failed one. ``banner(client)`` returns
+    the engine's version and the first line to print."""
+    import httpx
+
+    import tensorhub
+    from tensorhub.cli import ProgressLine
+
     token = Path(args.token_file).read_text().strip() if args.token_file else None
     try:
         hub = tensorhub.connect(args.coordinator, token=token)
     except tensorhub.TensorHubError as e:
         print(f"tensorhub follow: {e}", file=sys.stderr)
         return 2
-    from tensorhub.cli import ProgressLine
-
     swaps = 0
     line = ProgressLine(sys.stderr)
-    with hub, httpx.Client(base_url=args.engine.rstrip("/"), timeout=600) as client:
-        current = engine_version(client)
-        print(f"following {args.model} for {args.engine} (engine at v{current})", flush=True)
+    with hub, httpx.Client(base_url=base_url, timeout=600) as client:
+        current, first = banner(client)
+        print(first, flush=True)
         while not args.max_swaps or swaps < args.max_swaps:
             try:
                 v = hub.wait_for_version(args.model, newer_than=current, timeout=60)
@@ -150,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 line.draw(progress_text(hub.api.get("/v1/status", retry_timeout=1.0), args.model, v, stall))
 
             try:
-                stall = swap(client, v, args.mode, on_wait=show)
+                stall = do_swap(client, v, show)
             except RuntimeError as e:
                 line.done()
                 print(f"v{v}: swap failed, engine kept v{current}: {e}", file=sys.stderr, flush=True)
@@ -162,6 +170,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"v{v}: stall {stall:.3f}s, {nbytes / 1e6:.1f} MB from holders {', '.join(holders)}",
                   flush=True)
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser("vLLM server URL, e.g. http://127.0.0.1:8000", ("abort", "wait", "keep"), __doc__).parse_args(argv)
+
+    def banner(client: Any) -> tuple[Optional[int], str]:
+        current = engine_version(client)
+        return current, f"following {args.model} for {args.engine} (engine at v{current})"
+
+    return follow(args, args.engine.rstrip("/"), banner,
+                  lambda client, v, show: swap(client, v, args.mode, on_wait=show))
 
 
 if __name__ == "__main__":
