@@ -1,11 +1,11 @@
-"""The engine-native layout: each rank's parameters as vLLM runs them, served in place.
+"""The engine-native layout: each rank's parameters and buffers as vLLM runs them, served in place.
 
 After ``process_weights_after_loading`` a rank's parameters are exactly the bytes its
 kernels read. Another engine whose parameters have the same *fingerprint* (vLLM version,
 model config, dtype, quantization, TP/PP sizes, PP stage, every parameter's name, shape
 and dtype before processing) can take them raw: no ``load_weights``, no processing.
 
-* Every rank registers its parameters **in place** (no copy) as shard
+* Every rank registers its parameters and buffers **in place** (no copy) as shard
   :func:`shard_of` of ``tp_size * pp_size`` under the layout name :func:`fingerprint`
   returns. The coordinator counts the version complete in that layout only once every
   shard is registered, i.e. once all ranks of the engine are.
@@ -34,8 +34,13 @@ __all__ = ["native_tensors", "fingerprint", "servable", "shard_of", "copy_into"]
 
 
 def native_tensors(model: Any) -> dict:
-    """The rank's parameters by vLLM name, in place (``named_parameters()`` order, tied ones once)."""
-    return {name: p.data for name, p in model.named_parameters()}
+    """The rank's parameters and buffers by vLLM name, in place (``named_parameters()`` then
+    ``named_buffers()`` order, shared ones once; empty buffers skipped)."""
+    out = {name: p.data for name, p in model.named_parameters()}
+    for name, b in model.named_buffers():
+        if b.numel() and name not in out:
+            out[name] = b
+    return out
 
 
 def shard_of(rank: int, tp_size: int, pp_rank: int) -> int:

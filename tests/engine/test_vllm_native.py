@@ -24,6 +24,7 @@ def _model(seed: int, hidden: int = 64) -> torch.nn.Module:
     m = torch.nn.Sequential(torch.nn.Embedding(100, hidden), torch.nn.Linear(hidden, hidden),
                             torch.nn.Linear(hidden, 100, bias=False))
     m.config = SimpleNamespace(to_dict=lambda: {"hidden": hidden, "layers": 2})
+    m[0].register_buffer("cache", torch.randn(8, hidden), persistent=False)  # like a rotary cache
     return m.requires_grad_(False)
 
 
