@@ -48,6 +48,7 @@ class WorkerState:
     native: bool = False  # the parameters are registered in place as ``version`` in ``layout``
     native_refused: bool = False  # logged once why the native layout is not served
     spare: Optional[dict] = None  # a drained old copy (same tensors), the next swap's destination
+    prefetcher: Any = None  # the _prefetch.Prefetcher of this worker (setting ``prefetch``)
 
 
 def get_state() -> Optional[WorkerState]:

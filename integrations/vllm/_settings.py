@@ -68,6 +68,10 @@ class Settings:
     #: fetch destination: memory already paged in fetches several times faster than new
     #: memory, at the cost of that copy staying allocated between swaps.
     reuse_buffers: bool = True
+    #: Fetch each new version in the background as soon as it is complete, while the engine
+    #: still generates; a later swap to it then only applies it (one more model-size copy
+    #: until the swap).
+    prefetch: bool = False
 
     @classmethod
     def from_config(cls, extra: Optional[Mapping[str, Any]], *, require_model: bool = True) -> "Settings":
@@ -103,7 +107,7 @@ class Settings:
             raise bad("version", f"must be \"latest\" or a positive integer, got {v!r}")
         if self.on_missing not in ON_MISSING:
             raise bad("on_missing", f"must be one of {', '.join(ON_MISSING)}, got {self.on_missing!r}")
-        for key in ("native", "reuse_buffers"):
+        for key in ("native", "reuse_buffers", "prefetch"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, f"must be true or false, got {getattr(self, key)!r}")
         if self.serve_ranks not in ("first", "all"):

@@ -132,6 +132,10 @@ def make_loader_class() -> type:
                 st.version, st.specs = v, _runtime.specs_of(tensors)
                 st.copy = tensors if st.serving else None
             _native.publish(st, model)
+            if self.settings.prefetch and st.prefetcher is None:
+                from ._prefetch import Prefetcher
+
+                st.prefetcher = Prefetcher(st).start()
             logger.info("tensorhub: engine worker (tp rank %d) runs %s v%s%s%s", st.rank, self.settings.model,
                         st.version, " and serves its hf copy" if st.copy is not None else "",
                         f" and its parameters as layout {st.layout}" if st.native else "")

@@ -115,12 +115,17 @@ class _Mixin:
         t0 = time.monotonic()
         old_v = st.version
         got, err = None, None
+        prefetched = False
         try:
             v = _runtime.resolve(st, requested, on_missing="error", what="update_info 'version'")
             if v != old_v:
-                with _RETIRE_LOCK:
-                    spare, st.spare = st.spare, None  # a failed fetch leaves it in no known state: dropped
-                got = _runtime.fetch(st, v, into=spare)
+                if st.prefetcher is not None:
+                    got = st.prefetcher.take(v, s.fetch_timeout)
+                    prefetched = got is not None
+                if got is None:
+                    with _RETIRE_LOCK:
+                        spare, st.spare = st.spare, None  # a failed fetch leaves it in no known state: dropped
+                    got = _runtime.fetch(st, v, into=spare)
                 _runtime.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
                 # The parameters are served in place: no reader may be reading them when
                 # they change. Unpublish the running version (every layout) and let it drain.
@@ -153,9 +158,9 @@ class _Mixin:
         # Draining the old version's readers must not stall the engine: do it off the call.
         threading.Thread(target=self._retire, args=(st, old_v, old_copy), name="tensorhub-retire",
                          daemon=True).start()
-        logger.info("tensorhub: worker %s swapped %s v%s -> v%d: fetch %.2fs (%.1f MB, %.2f GB/s, from %s), "
+        logger.info("tensorhub: worker %s swapped %s v%s -> v%d: fetch %.2fs (%.1f MB, %.2f GB/s, from %s%s), "
                     "apply %.2fs", st.hub.worker_id, s.model, old_v, v, t1 - t0, got.nbytes / 1e6, got.gbps,
-                    got.sources, t2 - t1)
+                    got.sources, "; prefetched before the swap" if prefetched else "", t2 - t1)
         self._swap_parts = (v, t1 - t0, t2 - t1)
         if getattr(self, "_swap_t0", None) is None:  # no start_weight_update: this call is the swap
             self._report_swap(st, v, t0, ok=True, parts=self._swap_parts)
@@ -210,6 +215,9 @@ class _Mixin:
 
     def shutdown(self) -> None:
         """Keep the Hub: the engine's replicas stay registered while it runs."""
+        st = getattr(self, "_state", None)
+        if st is not None and st.prefetcher is not None:
+            st.prefetcher.stop()
 
 
 _RETIRE_LOCK = threading.Lock()

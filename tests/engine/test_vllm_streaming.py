@@ -125,3 +125,48 @@ def test_a_drained_copy_becomes_the_next_swaps_destination(hubs):
     trainer.publish("policy", _llama_like(4))
     _Mixin._retire(st2, v3, got3)
     assert st2.spare is None
+
+
+def _eventually(cond, timeout: float = 20.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_prefetch_fetches_new_versions_while_the_engine_runs_the_old_one(hubs):
+    """prefetch: a background thread fetches (and serves) each new version at once; a swap
+    takes it without a transfer; a version superseded before its swap is retired."""
+    from integrations.vllm._prefetch import Prefetcher
+
+    url, make = hubs
+    trainer = make("trainer")
+    w = {i: _llama_like(10 + i) for i in range(1, 5)}
+    v1 = trainer.publish("policy", w[1])
+    s = Settings.from_config({"coordinator": url, "model": "policy", "prefetch": True, "drain_timeout": 5})
+    st = _runtime.WorkerState(s, make("engine"), serving=True)
+    got1 = _runtime.fetch(st, v1)
+    st.version, st.specs, st.copy = v1, _runtime.specs_of(got1), got1
+    pf = Prefetcher(st, poll=1.0).start()
+    try:
+        v2 = trainer.publish("policy", w[2])
+        assert _eventually(lambda: ("policy", v2, "hf", 0) in st.hub.held())  # served before any swap
+        got2 = pf.take(v2, timeout=10)
+        assert got2 is not None and digest(dict(got2)) == digest(w[2])
+        assert pf.take(v2, timeout=0) is None  # handed over once
+        st.version, st.copy = v2, got2
+        # two versions before the next swap: only the newest stays, the other is retired
+        v3 = trainer.publish("policy", w[3])
+        assert _eventually(lambda: ("policy", v3, "hf", 0) in st.hub.held())
+        v4 = trainer.publish("policy", w[4])
+        assert _eventually(lambda: ("policy", v4, "hf", 0) in st.hub.held()
+                           and ("policy", v3, "hf", 0) not in st.hub.held())
+        assert pf.take(v3, timeout=1) is None  # superseded
+        got4 = pf.take(v4, timeout=10)
+        assert got4 is not None and digest(dict(got4)) == digest(w[4])
+    finally:
+        pf.stop()

@@ -1,0 +1,126 @@
+"""``prefetch``: fetch each new version while the engine still generates.
+
+With the ``prefetch`` setting on, every worker runs one daemon thread (started by the
+loader once the engine is loaded) that waits on the coordinator for a complete version
+newer than the one the engine runs and fetches it at once, into the kept spare copy when
+there is one (``reuse_buffers``), registered as a replica like a swap's fetch (so the
+fleet can already read it from this engine). A later ``update_weights`` to that version
+finds it local: the swap's stall is the apply alone. An update that arrives while that
+very version is being prefetched waits for it instead of fetching it twice.
+
+Only the newest prefetched version is kept: when a newer one lands first, the older copy
+is retired like a swapped-out one (unpublished once its readers drained, then kept as the
+spare). Memory: one more model-size copy (the prefetched version) between a publish and
+the swap to it. Each rank prefetches on its own; a rank whose prefetched version differs
+from the one the group swaps to fetches it as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Prefetcher"]
+
+
+class Prefetcher:
+    """One per worker process (see the module docstring). ``take(v)`` hands over a
+    prefetched copy of ``v`` (or None); ``stop()`` ends the thread."""
+
+    def __init__(self, st: Any, poll: float = 30.0) -> None:
+        self.st = st
+        self.poll = poll
+        self._cond = threading.Condition()
+        self._ready: Optional[tuple[int, Any]] = None  # (version, Fetched)
+        self._busy: Optional[int] = None  # the version being fetched now
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tensorhub-prefetch", daemon=True)
+
+    def start(self) -> "Prefetcher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _newest_known(self) -> int:
+        with self._cond:
+            ready = self._ready[0] if self._ready else 0
+        return max(self.st.version or 0, ready)
+
+    def _run(self) -> None:
+        import tensorhub
+
+        from . import _runtime
+        from .transfer import _RETIRE_LOCK
+
+        st, s = self.st, self.st.settings
+        while not self._stop.is_set():
+            try:
+                v = st.hub.wait_for_version(s.model, newer_than=self._newest_known(), timeout=self.poll)
+            except tensorhub.HubTimeoutError:
+                continue
+            except tensorhub.HubClosedError:
+                return
+            except Exception as e:  # coordinator away: try again later
+                logger.debug("tensorhub: prefetch: %s", e)
+                self._stop.wait(1.0)
+                continue
+            if v is None or v <= self._newest_known():
+                continue
+            with self._cond:
+                self._busy = v
+            with _RETIRE_LOCK:
+                spare, st.spare = st.spare, None
+            t0 = time.monotonic()
+            got = None
+            try:
+                got = _runtime.fetch(st, v, into=spare)
+            except Exception as e:
+                logger.warning("tensorhub: prefetching %s v%d failed (%s); the swap will fetch it", s.model, v, e)
+            old = None
+            with self._cond:
+                self._busy = None
+                if got is not None:
+                    old, self._ready = self._ready, (v, got)
+                    logger.info("tensorhub: prefetched %s v%d in %.2fs while serving v%s", s.model, v,
+                                time.monotonic() - t0, st.version)
+                self._cond.notify_all()
+            if old is not None:
+                self._retire(*old, reason=f"v{v} was prefetched before a swap to it")
+            if got is None:
+                self._stop.wait(1.0)
+
+    def _retire(self, v: int, got: Any, reason: str) -> None:
+        from .transfer import _Mixin
+
+        if v == self.st.version:  # the engine swapped to it by another path: it is the copy now
+            return
+        threading.Thread(target=_Mixin._retire, args=(self.st, v, got, reason), name="tensorhub-retire",
+                         daemon=True).start()
+
+    def take(self, version: int, timeout: float) -> Optional[Any]:
+        """The prefetched copy of ``version`` (waiting up to ``timeout`` while it is being
+        fetched), else None; a prefetched copy of an older version is retired."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._busy == version and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            ready, self._ready = self._ready, None
+        if ready is None:
+            return None
+        if ready[0] == version:
+            return ready[1]
+        if ready[0] > version:  # newer than asked: keep it for the next swap
+            with self._cond:
+                if self._ready is None:
+                    self._ready, ready = ready, None
+            if ready is not None:  # an even newer one landed meanwhile
+                self._retire(*ready, reason=f"v{self._ready[0]} was prefetched meanwhile")
+            return None
+        self._retire(*ready, reason=f"the engine swaps to v{version}")
+        return None
