@@ -120,8 +120,11 @@ from safetensors.torch import load_file
 import tensorhub
 hub = tensorhub.connect(sys.argv[1], worker_id="bench-trainer")
 held = []
-for d in sys.argv[3:]:
+step = sys.argv[3] == "--step"  # publish the first, then one more per line on stdin
+for i, d in enumerate(sys.argv[4 if step else 3:]):
     w = load_file(d + "/model.safetensors")
+    if step and i:
+        sys.stdin.readline()
     held.append(w)
     print("@@", hub.publish(sys.argv[2], w), flush=True)
 time.sleep(3600)
@@ -248,23 +251,34 @@ def run(args: argparse.Namespace) -> dict:
     shutil.rmtree(work / "state", ignore_errors=True)
     coord = EmbeddedCoordinator(work / "state")
     url = coord.start()
-    res: dict = {"model_bytes": nbytes, "config": cfg, "coordinator": url}
+    res: dict = {"model_bytes": nbytes, "config": cfg, "coordinator": url, "prefetch": bool(args.prefetch)}
     engines: list = []
     pub = None
     try:
         dirs = [work / ("v2" if i % 2 else "v1") for i in range(1 + max(1, args.swaps))]
-        pub = subprocess.Popen([sys.executable, "-c", _PUBLISHER, url, MODEL, *map(str, dirs)],
-                               stdout=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+        step = ["--step"] if args.prefetch else []
+        pub = subprocess.Popen([sys.executable, "-c", _PUBLISHER, url, MODEL, *step, *map(str, dirs)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(),
+                               start_new_session=True)
         _LIVE.append(pub)
-        versions = [int(pub.stdout.readline().split()[1]) for _ in dirs]
+
+        def next_version(trigger: bool = True) -> int:
+            if args.prefetch and trigger:  # published only now, while both engines serve the previous one
+                pub.stdin.write("\n")
+                pub.stdin.flush()
+            return int(pub.stdout.readline().split()[1])
+
+        versions = [next_version(trigger=False) if not args.prefetch or i == 0 else None for i in range(len(dirs))]
         v1 = versions[0]
-        print(f"publisher holds versions {versions} (v1's and v2's bytes, alternating)", flush=True)
+        print(f"publisher holds versions {[v for v in versions if v]} (v1's and v2's bytes, alternating)"
+              f"{'; one more before each swap (prefetch)' if args.prefetch else ''}", flush=True)
 
         # (b) time to ready: the default loader on local files, then tensorhub from the publisher
         disk = Server("disk", work / "v1", [], work / "disk.log")
         engines.append(disk)
         print(f"disk engine ready in {disk.ready_s:.1f} s", flush=True)
-        extra = {"coordinator": url, "model": MODEL, "version": v1, "worker_id": "bench-engine"}
+        extra = {"coordinator": url, "model": MODEL, "version": v1, "worker_id": "bench-engine",
+                 "prefetch": bool(args.prefetch)}
         th = Server("tensorhub", work / "bare", ["--load-format", "tensorhub",
                                                  "--model-loader-extra-config", json.dumps(extra),
                                                  "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
@@ -278,7 +292,8 @@ def run(args: argparse.Namespace) -> dict:
 
         # (a) hot-swap stalls: to v2, then on between v1's and v2's bytes
         res["swaps"] = {"disk": [], "tensorhub": []}
-        for i, v in enumerate(versions[1:], 1):
+        for i in range(1, len(dirs)):
+            v = versions[i] = versions[i] or _published_and_prefetched(next_version(), url)
             res["swaps"]["disk"].append(disk.swap([
                 ("reload_weights", "/collective_rpc",
                  {"method": "reload_weights", "kwargs": {"weights_path": str(dirs[i])}}),
@@ -310,6 +325,21 @@ def run(args: argparse.Namespace) -> dict:
     return res
 
 
+def _published_and_prefetched(v: int, url: str, timeout: float = 300) -> int:
+    """Wait until the tensorhub engine holds ``v`` (its prefetch landed); return ``v``."""
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = httpx.get(f"{url}/v1/status", timeout=10).json()
+        if any(r["worker_id"] == "bench-engine" and r["partial"] is None  # whole, not mid-fetch
+               for m in st["models"] for ver in m["versions"] if ver["version"] == v for r in ver["replicas"]):
+            print(f"v{v} published and prefetched by the engine in {time.monotonic() - t0:.2f} s", flush=True)
+            return v
+        time.sleep(0.05)
+    raise RuntimeError(f"the engine did not prefetch v{v} within {timeout}s")
+
+
 def report(res: dict) -> str:
     r, s = res["ready"], res["swap"]
 
@@ -318,7 +348,8 @@ def report(res: dict) -> str:
             return f"| {label} | {d} | {t} | - |"
         return f"| {label} | {d:.2f} | {t:.2f} | {d / t:.2f}x |"
 
-    lines = [f"model: {res['model_bytes'] / 2**30:.2f} GiB float32",
+    lines = [f"model: {res['model_bytes'] / 2**30:.2f} GiB float32"
+             + (" (tensorhub engine with prefetch)" if res.get("prefetch") else ""),
              "| measure (seconds) | vLLM from local safetensors | tensorhub | disk / tensorhub |",
              "| --- | ---: | ---: | ---: |",
              row("new engine: start to /health", r["disk"]["ready_s"], r["tensorhub"]["ready_s"]),
@@ -349,6 +380,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--workdir", help="where the model directories go (default: a new temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, models)")
     p.add_argument("--swaps", type=int, default=3, help="hot-swaps per engine (the first to v2)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="the tensorhub engine prefetches: each version is published while both engines "
+                        "serve the last one, and the swaps start once the engine holds it")
     p.add_argument("--json", default=str(ROOT / "out" / "bench_vllm.json"), help="where to write the results")
     args = p.parse_args(argv)
 

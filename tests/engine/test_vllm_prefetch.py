@@ -42,7 +42,7 @@ def test_prefetched_version_swaps_without_a_transfer(tmp_path):
         def holders() -> set:
             st = trainer.api.get("/v1/status")
             return {r["worker_id"] for m in st["models"] for v in m["versions"] if v["version"] == v2
-                    for r in v["replicas"]}
+                    for r in v["replicas"] if r["partial"] is None}  # whole replicas, not mid-fetch
 
         end = time.monotonic() + 60
         while "engine-p" not in holders():  # prefetched and served before any swap
