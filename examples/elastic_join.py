@@ -27,120 +27,14 @@ takes JSON commands on stdin (what a trainer or an engine would do on its own).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
 
-os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's log chatter
+from _fleet import MiB, Proc, worker  # examples/_fleet.py: what the two fleet examples share
 
-MODEL = "policy"
-MiB = 1 << 20
 TRAINER_LOCALITY = "dc=dc1,zone=train,host=trainer"
-
-
-def weights_for(version_seed: int, mib: int) -> dict:
-    """A version's tensors: fixed by the seed, so every process can tell right bytes from wrong."""
-    import torch
-
-    g = torch.Generator().manual_seed(version_seed)
-    n = 8
-    per = (mib * MiB) // n // 4
-    return {f"model.layers.{i}.mlp.weight": torch.randn(per, generator=g).view(64, -1) for i in range(n)}
-
-
-def checksum(tensors: dict) -> str:
-    import torch
-
-    h = hashlib.sha256()
-    for k in sorted(tensors):
-        h.update(k.encode())
-        h.update(tensors[k].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-# ------------------------------------------------------------------ one process: trainer or engine
-def worker(name: str, url: str, locality: str) -> int:
-    """A trainer (``publish``) or an engine (``follow``), driven by JSON lines on stdin."""
-    import tensorhub
-
-    hub = tensorhub.connect(url, worker_id=name, locality=locality)
-    hub.endpoint  # start the data plane now rather than in the first timed call
-    published: list[int] = []   # trainer: versions it serves, oldest first
-    seen: Optional[int] = None  # engine: the version it runs
-    params: Optional[dict] = None
-
-    def say(**kw: Any) -> None:
-        print(json.dumps(kw), flush=True)
-
-    say(ok="ready")
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        try:
-            if cmd["op"] == "publish":  # trainer: a new version, in place; keep the last two
-                w = weights_for(cmd["seed"], cmd["mib"])
-                v = hub.publish(MODEL, w)
-                published.append(v)
-                if len(published) > 2:
-                    hub.unpublish(MODEL, published.pop(0), timeout=60)  # waits for its readers
-                say(ok={"version": v, "sha256": checksum(w)})
-            elif cmd["op"] == "follow":  # engine: move to the newest version
-                v = hub.wait_for_version(MODEL, newer_than=seen, timeout=60)
-                if params is not None:
-                    hub.unpublish(MODEL, seen, timeout=60)  # our readers drain; then we may overwrite
-                f = hub.fetch(MODEL, v, into=params)     # serve=True: we become a source of v
-                params, seen = dict(f), v
-                say(ok={"version": v, "sha256": checksum(f), "seconds": f.seconds, "sources": f.sources})
-            elif cmd["op"] == "leave":
-                hub.close()                              # drops our replicas; readers go elsewhere
-                say(ok=True)
-                return 0
-        except Exception as e:  # noqa: BLE001 - reported to the driver
-            say(error=f"{type(e).__name__}: {e}")
-    hub.close()
-    return 0
-
-
-class Proc:
-    """The driver's handle on one worker process."""
-
-    def __init__(self, name: str, url: str, locality: str, log_dir: Path) -> None:
-        self.name, self.locality = name, locality
-        self.log = log_dir / f"{name}.log"
-        self.p = subprocess.Popen([sys.executable, __file__, "worker", name, url, locality],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "w"),
-                                  text=True)
-        self.recv()  # "ready"
-
-    def send(self, **cmd: Any) -> None:
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-
-    def recv(self) -> Any:
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.name} exited; its log:\n{self.log.read_text()[-3000:]}")
-        msg = json.loads(line)
-        if "error" in msg:
-            raise RuntimeError(f"{self.name}: {msg['error']}")
-        return msg["ok"]
-
-    def call(self, **cmd: Any) -> Any:
-        self.send(**cmd)
-        return self.recv()
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            try:
-                self.p.stdin.close()
-                self.p.wait(20)
-            except (OSError, subprocess.TimeoutExpired):
-                self.p.kill()
-                self.p.wait(10)
 
 
 # ------------------------------------------------------------------ driver
@@ -181,11 +75,11 @@ def main() -> int:
         print(f"coordinator (embedded) on {coord.url}", flush=True)
         logs = Path(tmp)
         try:
-            trainer = Proc("trainer", coord.url, TRAINER_LOCALITY, logs)
+            trainer = Proc(__file__, "trainer", coord.url, TRAINER_LOCALITY, logs)
             procs.append(trainer)
 
             def engine(k: int) -> Proc:
-                p = Proc(f"engine-{k}", coord.url, f"dc=dc1,zone=rollout,host=engine-{k}", logs)
+                p = Proc(__file__, f"engine-{k}", coord.url, f"dc=dc1,zone=rollout,host=engine-{k}", logs)
                 procs.append(p)
                 return p
 

@@ -31,128 +31,17 @@ takes JSON commands on stdin.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's log chatter
+from _fleet import MiB, Proc, worker  # examples/_fleet.py: what the two fleet examples share
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "policy"
-MiB = 1 << 20
 #: host name -> datacenter. The trainer is a0.
 HOSTS = {"a0": "a", "a1": "a", "b0": "b", "b1": "b", "b2": "b"}
-
-
-def weights_for(version_seed: int, mib: int) -> dict:
-    """A version's tensors: fixed by the seed, so every process can tell right bytes from wrong."""
-    import torch
-
-    g = torch.Generator().manual_seed(version_seed)
-    n = 8
-    per = (mib * MiB) // n // 4
-    return {f"model.layers.{i}.mlp.weight": torch.randn(per, generator=g).view(64, -1) for i in range(n)}
-
-
-def checksum(tensors: dict) -> str:
-    import torch
-
-    h = hashlib.sha256()
-    for k in sorted(tensors):
-        h.update(k.encode())
-        h.update(tensors[k].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-# ------------------------------------------------------------------ one process: trainer or engine
-def worker(name: str, url: str) -> int:
-    """The trainer (``publish``) or an engine (``follow``), driven by JSON lines on stdin."""
-    import tensorhub
-
-    hub = tensorhub.connect(url, worker_id=name, locality=f"dc={HOSTS[name]},zone=z,host={name}")
-    hub.endpoint  # start the data plane now rather than in the first timed call
-    published: list[int] = []
-    seen: Optional[int] = None
-    params: Optional[dict] = None
-
-    def say(**kw: Any) -> None:
-        print(json.dumps(kw), flush=True)
-
-    say(ok="ready")
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        try:
-            if cmd["op"] == "publish":  # trainer: a new version in place; keep the last two
-                w = weights_for(cmd["seed"], cmd["mib"])
-                v = hub.publish(MODEL, w)
-                published.append(v)
-                if len(published) > 2:
-                    hub.unpublish(MODEL, published.pop(0), timeout=60)
-                say(ok={"version": v, "sha256": checksum(w)})
-            elif cmd["op"] == "direct":  # the baseline: read complete replicas only, keep nothing
-                hub.pipelined = False
-                try:
-                    f = hub.fetch(MODEL, cmd["version"], serve=False)
-                finally:
-                    hub.pipelined = True
-                say(ok={"version": f.version, "sha256": checksum(f), "seconds": f.seconds, "sources": f.sources})
-            elif cmd["op"] == "follow":  # engine: move to the newest version, in place
-                v = hub.wait_for_version(MODEL, newer_than=seen, timeout=60)
-                if params is not None:
-                    hub.unpublish(MODEL, seen, timeout=60)
-                f = hub.fetch(MODEL, v, into=params)
-                params, seen = dict(f), v
-                say(ok={"version": v, "sha256": checksum(f), "seconds": f.seconds, "sources": f.sources})
-        except Exception as e:  # noqa: BLE001 - reported to the driver
-            say(error=f"{type(e).__name__}: {e}")
-    hub.close()
-    return 0
-
-
-class Proc:
-    """The driver's handle on one worker process (in a namespace, or on loopback)."""
-
-    def __init__(self, name: str, url: str, log_dir: Path, tb: Any = None) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        argv = [sys.executable, __file__, "worker", name, url]
-        if tb is not None:
-            self.p = tb.spawn(name, argv, stderr=open(self.log, "w"))
-        else:
-            self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=open(self.log, "w"), text=True)
-        self.recv()  # "ready"
-
-    def send(self, **cmd: Any) -> None:
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-
-    def recv(self) -> Any:
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.name} exited; its log:\n{self.log.read_text()[-3000:]}")
-        msg = json.loads(line)
-        if "error" in msg:
-            raise RuntimeError(f"{self.name}: {msg['error']}")
-        return msg["ok"]
-
-    def call(self, **cmd: Any) -> Any:
-        self.send(**cmd)
-        return self.recv()
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            try:
-                self.p.stdin.close()
-                self.p.wait(20)
-            except (OSError, subprocess.TimeoutExpired):
-                self.p.kill()
-                self.p.wait(10)
 
 
 def run(args: argparse.Namespace, tb: Any, url: str, logs: Path) -> dict:
@@ -160,7 +49,7 @@ def run(args: argparse.Namespace, tb: Any, url: str, logs: Path) -> dict:
     result: dict = {"mib": args.mib, "net": "netns" if tb is not None else "loopback", "versions": []}
     try:
         for name in HOSTS:
-            procs.append(Proc(name, url, logs, tb))
+            procs.append(Proc(__file__, name, url, f"dc={HOSTS[name]},zone=z,host={name}", logs, tb))
         trainer, engines = procs[0], procs[1:]
         for seed in range(1, args.versions + 1):
             pub = trainer.call(op="publish", seed=seed, mib=args.mib)
@@ -221,7 +110,7 @@ def run(args: argparse.Namespace, tb: Any, url: str, logs: Path) -> dict:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        return worker(*sys.argv[2:4])
+        return worker(*sys.argv[2:5])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=32, help="size of each version in MiB")
     ap.add_argument("--versions", type=int, default=2)
