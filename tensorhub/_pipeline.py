@@ -301,11 +301,7 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
             now = time.monotonic()
             if now - clock["renew"] >= renew_every:
                 clock["renew"] = now
-                for lid in leases:
-                    try:
-                        hub.api.post(f"/v1/leases/{lid}/renew", retry_timeout=2.0)
-                    except TensorHubError:
-                        pass  # release will tell whether it lapsed
+                hub_mod._renew(hub.api, leases)
             publish_progress()
 
         todo: Optional[list[int]] = None
@@ -318,10 +314,8 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
             except BaseException as e:
                 if not reader.stuck:
                     raise
-                hub_mod._QUARANTINE.append(buf if buf is not None else out)
-                regions = []
-                raise FetchError(f"{e}; a hung source may still write into the destination"
-                                 + (": do not reuse the `into` tensors" if into is not None else "")) from e
+                regions = []  # a hung batch may still write there: never unregister it
+                raise hub_mod._quarantine(e, buf, out, into) from e
             nbytes += stats.nbytes
             seconds += stats.seconds
             failed += stats.failed_sources

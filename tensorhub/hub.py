@@ -667,11 +667,7 @@ class Hub:
                 if time.monotonic() - last_renew[0] < renew_every:
                     return
                 last_renew[0] = time.monotonic()
-                for lid in leases:
-                    try:
-                        self.api.post(f"/v1/leases/{lid}/renew", retry_timeout=2.0)
-                    except TensorHubError:
-                        pass  # release will tell whether it lapsed
+                _renew(self.api, leases)
 
             todo: Optional[list[int]] = None
             total_sources: dict[str, int] = {}
@@ -683,12 +679,8 @@ class Hub:
                 except BaseException as e:
                     if not reader.stuck:
                         raise
-                    # A hung batch may still write there: never free or unregister that memory.
-                    _QUARANTINE.append(buf if buf is not None else out)
-                    regions = []
-                    raise FetchError(
-                        f"{e}; a hung source may still write into the destination"
-                        + (": do not reuse the `into` tensors" if into is not None else "")) from e
+                    regions = []  # a hung batch may still write there: never unregister it
+                    raise _quarantine(e, buf, out, into) from e
                 nbytes += stats.nbytes
                 seconds += stats.seconds
                 failed += stats.failed_sources
@@ -793,6 +785,23 @@ class Hub:
         """(model, version, layout, shard) of every replica this process holds."""
         with self._lock:
             return sorted(self._held)
+
+
+def _renew(api: CoordinatorClient, leases: list[str]) -> None:
+    """Renew a read's leases (best effort: releasing them tells whether one lapsed)."""
+    for lid in leases:
+        try:
+            api.post(f"/v1/leases/{lid}/renew", retry_timeout=2.0)
+        except TensorHubError:
+            pass
+
+
+def _quarantine(e: BaseException, buf: Any, out: Any, into: Any) -> FetchError:
+    """A read whose batch never ended: keep its destination alive forever (never freed or
+    reused by us) and say so in the error the caller raises."""
+    _QUARANTINE.append(buf if buf is not None else out)
+    return FetchError(f"{e}; a hung source may still write into the destination"
+                      + (": do not reuse the `into` tensors" if into is not None else ""))
 
 
 def _select(manifest: Manifest, names: list[str], model: str, version: int) -> list[int]:
