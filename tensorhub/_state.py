@@ -1,7 +1,7 @@
 """The coordinator's decisions, as a pure state machine.
 
-No I/O and no clock: every method takes ``now`` (seconds, monotonic or wall, the caller
-decides) and either returns its decision or raises a :class:`CoordinatorError` subclass
+No I/O and no clock: every method takes ``now`` (seconds on a monotonic clock: the
+coordinator passes ``time.monotonic()``) and either returns its decision or raises a :class:`CoordinatorError` subclass
 whose ``status`` the HTTP shell sends back. Durable changes (models, version counters,
 manifests) are queued as *writes*; the shell commits them (``take_writes()``) to its
 store before it answers, so nothing a client was told is lost by a restart.
@@ -21,7 +21,21 @@ Invariants this module keeps (DESIGN.md, "Protocol and its invariants"):
    different one is refused naming the first difference.
 6. Unpublishing the last replica of a model's newest complete version is refused.
 7. All ranks resolving with the same ``group`` get the same version.
-8. A partial replica (a reader still receiving, pipelined replication) is offered only to
+8. Fencing across expiry: when a worker is dropped (expired, closed, or re-registered
+   with a new endpoint), each of its replicas that an unlapsed lease still names stays as
+   a *tombstone*: never offered again, but counted by ``unpublish``'s drain of that
+   worker's (model, version), so a holder that comes back never gets "drained" while a
+   reader still reads its memory. Tombstones go once no unlapsed lease names them.
+9. Time only moves forward: ``now`` is clamped to the largest value seen (a lease once
+   seen lapsed stays lapsed). A gap longer than ``pause_grace`` between two calls (the
+   coordinator was paused or starved) gives every worker a fresh ``worker_ttl`` instead
+   of expiring all of them at once.
+10. Retries are idempotent: an allocation or a lease asked for again with the same
+    ``request_id`` gets the first answer (allocations durably, so across a restart).
+11. A version that is not the newest complete one and that nobody serves or can serve
+    again (no replica, partial replica, tombstone or open lease of the shard; not within
+    a restart's re-registration window) is refused with ``version_gone`` at once.
+12. A partial replica (a reader still receiving, pipelined replication) is offered only to
    pipelined readers and only for chunks its holder reported complete under a lease that
    was valid at that moment; it never counts for completeness or retention. Source
    choice and seeding are ``_planner``'s pure functions.
@@ -70,6 +84,8 @@ Write = tuple
 FETCH_STALE = 10.0
 #: Most running fetches the live table keeps (more are not shown, still counted at the end).
 MAX_LIVE_FETCHES = 10_000
+#: Allocation answers kept per model for retries (``allocate_version``'s ``request_id``).
+ALLOCATIONS_KEPT = 1024
 #: ``locality_cost`` -> the ``distance`` label of fetched bytes.
 DISTANCES = ("same_host", "same_zone", "same_datacenter", "other_datacenter")
 
@@ -89,6 +105,14 @@ class StateConfig:
     #: Source-choice policy (``_planner.POLICIES``): ``topology``, or the benchmarks'
     #: ``single-source`` baseline.
     policy: str = "topology"
+    #: A gap with no call at all longer than this (the coordinator was paused, e.g.
+    #: SIGSTOP, or starved) gives every worker a fresh ``worker_ttl`` instead of expiring
+    #: them all at once. None: ``worker_ttl / 2`` (the shell ticks every second or faster).
+    pause_grace: Optional[float] = None
+
+    @property
+    def gap(self) -> float:
+        return self.worker_ttl / 2 if self.pause_grace is None else self.pause_grace
 
 
 @dataclass
@@ -117,6 +141,8 @@ class Replica:
     draining: bool = False
     suspect_until: float = 0.0
     served: int = 0  # leases granted on it
+    #: Its worker was dropped while leases named it (see invariant 8): fenced, never offered.
+    tombstone: bool = False
     #: Pipelined replication: chunks reported complete while still receiving; None = complete.
     chunks: Optional[set[int]] = None
     num_chunks: int = 0
@@ -186,8 +212,30 @@ class CoordinatorState:
         self.seeders: dict[tuple, tuple[str, float]] = {}
         #: (worker, model, version, layout, shard) -> (last report of a running fetch, at)
         self.fetching: dict[tuple, tuple[FetchReport, float]] = {}
+        #: Replicas of dropped workers that leases still name (invariant 8), by replica id.
+        self.tombstones: dict[str, Replica] = {}
+        #: (model, request_id) -> version: allocations already answered (durable, bounded).
+        self.allocations: dict[tuple[str, str], int] = {}
+        #: (worker, request_id) -> (lease id, grant): leases already answered (soft).
+        self.lease_requests: dict[tuple[str, str], tuple[str, LeaseGrant]] = {}
+        #: The largest ``now`` seen (time never moves back) and when it was seen.
+        self.clock = now
+        #: Workers given a fresh ttl after a pause (invariant 9), counted for ``/metrics``.
+        self.pauses = 0
         self._ids = itertools.count(1)
         self._writes: list[Write] = []
+
+    def _now(self, now: float) -> float:
+        """Clamp ``now`` (never back) and grant pause grace (invariant 9). Every public
+        method that takes the time starts here."""
+        if now <= self.clock:
+            return self.clock
+        if now - self.clock > self.config.gap and self.workers:
+            self.pauses += 1
+            for w in self.workers.values():
+                w.last_seen = max(w.last_seen, now)
+        self.clock = now
+        return now
 
     # ----------------------------------------------------------------- durability
     def take_writes(self) -> list[Write]:
@@ -206,6 +254,8 @@ class CoordinatorState:
                     rows.append(("layout", (name, v, lname), li.num_shards))
                     for shard, man in li.manifests.items():
                         rows.append(("manifest", (name, v, lname, shard), man))
+        for key, v in self.allocations.items():
+            rows.append(("allocation", key, v))
         return rows
 
     @classmethod
@@ -213,7 +263,7 @@ class CoordinatorState:
         """Rebuild from durable rows (in any order of tables as produced by ``durable_rows``)."""
         rows = list(rows)
         st = cls(config, now=now, restored=bool(rows))
-        order = {"model": 0, "version": 1, "layout": 2, "manifest": 3}
+        order = {"model": 0, "version": 1, "layout": 2, "manifest": 3, "allocation": 4}
         for table, key, value in sorted(rows, key=lambda r: order[r[0]]):
             if table == "model":
                 st.models[key[0]] = ModelInfo(counter=value)
@@ -223,6 +273,8 @@ class CoordinatorState:
                 st.models[key[0]].versions[key[1]].layouts[key[2]] = LayoutInfo(num_shards=value)
             elif table == "manifest":
                 st.models[key[0]].versions[key[1]].layouts[key[2]].manifests[key[3]] = value
+            elif table == "allocation":
+                st.allocations[tuple(key)] = value
         return st
 
     def _new_id(self, prefix: str) -> str:
@@ -231,16 +283,18 @@ class CoordinatorState:
     # ----------------------------------------------------------------- workers
     def register_worker(self, now: float, worker_id: str, endpoint: str, locality: Locality) -> None:
         """A client (any process) announces itself; re-registering with a new endpoint
-        drops the replicas of the old one (its memory is gone)."""
+        drops the replicas of the old one (its memory is gone; leased ones are fenced)."""
+        now = self._now(now)
         old = self.workers.get(worker_id)
         if old is not None and old.endpoint != endpoint:
-            self._drop_worker_replicas(worker_id)
+            self._drop_worker_replicas(now, worker_id)
         w = self.workers[worker_id] = Worker(worker_id, endpoint, locality, now,
                                              now if old is None else old.registered_at)
         if old is not None:
             w.served_leases, w.served_bytes = old.served_leases, old.served_bytes
 
     def heartbeat(self, now: float, worker_id: str) -> Worker:
+        now = self._now(now)
         w = self.workers.get(worker_id)
         if w is None:
             raise NotFoundError(404, f"unknown worker {worker_id!r}; register again", "unknown_worker")
@@ -249,18 +303,28 @@ class CoordinatorState:
 
     def remove_worker(self, now: float, worker_id: str) -> int:
         """A client closes: its replicas and leases go. Returns how many replicas went."""
+        now = self._now(now)
         if worker_id not in self.workers:
             raise NotFoundError(404, f"unknown worker {worker_id!r}", "unknown_worker")
         del self.workers[worker_id]
         for lid in [lid for lid, l in self.leases.items() if l.worker_id == worker_id]:
             del self.leases[lid]
-        return self._drop_worker_replicas(worker_id)
+        return self._drop_worker_replicas(now, worker_id)
 
-    def _drop_worker_replicas(self, worker_id: str) -> int:
+    def _drop_worker_replicas(self, now: float, worker_id: str) -> int:
+        """Drop a worker's replicas; those an unlapsed lease names become tombstones."""
         gone = [rid for rid, r in self.replicas.items() if r.worker_id == worker_id]
+        leased = self._leased(now)
         for rid in gone:
-            del self.replicas[rid]
+            r = self.replicas.pop(rid)
+            if rid in leased:
+                r.draining = r.tombstone = True
+                self.tombstones[rid] = r
         return len(gone)
+
+    def _leased(self, now: float) -> set[str]:
+        """Ids of the replicas an unlapsed lease names."""
+        return {rid for l in self.leases.values() if l.expires >= now for rid in l.replica_ids}
 
     def _worker(self, worker_id: str) -> Worker:
         w = self.workers.get(worker_id)
@@ -269,13 +333,20 @@ class CoordinatorState:
         return w
 
     def expire(self, now: float) -> list[str]:
-        """Drop dead workers (and their replicas), forget long-lapsed leases and old groups.
-        Returns the ids of the workers dropped."""
+        """Drop dead workers (and their replicas), forget long-lapsed leases, tombstones no
+        lease names any more and old groups. Returns the ids of the workers dropped."""
+        now = self._now(now)
         dead = [wid for wid, w in self.workers.items() if now - w.last_seen > self.config.worker_ttl]
         for wid in dead:
             self.remove_worker(now, wid)
         for lid in [lid for lid, l in self.leases.items() if now > l.expires + self.config.lease_ttl]:
             del self.leases[lid]
+        if self.tombstones:
+            leased = self._leased(now)
+            for rid in [rid for rid in self.tombstones if rid not in leased]:
+                del self.tombstones[rid]
+        for key in [k for k, (lid, _) in self.lease_requests.items() if lid not in self.leases]:
+            del self.lease_requests[key]
         for key in [k for k, (_, exp) in self.groups.items() if now > exp]:
             del self.groups[key]
         for key in [k for k, (wid, _) in self.seeders.items() if wid not in self.workers]:
@@ -313,11 +384,19 @@ class CoordinatorState:
             )
         return li.manifests[shard]
 
-    def allocate_version(self, now: float, model: str, version: Optional[int] = None) -> int:
+    def allocate_version(self, now: float, model: str, version: Optional[int] = None,
+                         request_id: Optional[str] = None) -> int:
         """A publisher asks for a new version (``None``) or claims an explicit one.
 
         An explicit version above the counter raises the counter to it; one at or below it
-        must already exist (versions are never reused)."""
+        must already exist (versions are never reused). A new version asked for again with
+        the same ``request_id`` (a client retry whose first answer was lost) gets the same
+        number: retries never skip one."""
+        now = self._now(now)
+        if version is None and request_id is not None:
+            hit = self.allocations.get((model, request_id))
+            if hit is not None:
+                return hit
         m = self.models.get(model)
         if m is None:
             m = self.models[model] = ModelInfo()
@@ -336,6 +415,14 @@ class CoordinatorState:
         m.versions[version] = VersionInfo(created=now)
         self._writes.append(("model", (model,), m.counter))
         self._writes.append(("version", (model, version), now))
+        if request_id is not None:
+            self.allocations[(model, request_id)] = version
+            self._writes.append(("allocation", (model, request_id), version))
+            if version % 64 == 0:  # keep the answers of the last ALLOCATIONS_KEPT allocations
+                floor = version - ALLOCATIONS_KEPT
+                for key in [k for k, v in self.allocations.items() if k[0] == model and v <= floor]:
+                    del self.allocations[key]
+                self._writes.append(("allocation_floor", (model,), floor))
         return version
 
     def latest(self, model: str, newer_than: Optional[int] = None) -> Optional[int]:
@@ -351,6 +438,7 @@ class CoordinatorState:
 
     def resolve(self, now: float, model: str, group: Optional[str], newer_than: Optional[int] = None) -> int:
         """Pick the version a reader (or every rank of ``group``) fetches."""
+        now = self._now(now)
         if group is not None:
             hit = self.groups.get((model, group))
             if hit is not None and now <= hit[1]:
@@ -366,6 +454,7 @@ class CoordinatorState:
     # ----------------------------------------------------------------- replicas
     def register_replica(self, now: float, req: RegisterReplica) -> tuple[str, bool]:
         """A holder announces it holds a complete shard. Returns (replica_id, version complete)."""
+        now = self._now(now)
         self._worker(req.worker_id)
         vi = self._version(req.model, req.version)
         li = vi.layouts.get(req.layout)
@@ -425,6 +514,7 @@ class CoordinatorState:
         """The holder of a partial replica reports chunks complete in its memory; from now
         on pipelined readers may be sent to it for them. Refused unless every lease the
         chunks were read under is still valid. Returns how many chunks it holds."""
+        now = self._now(now)
         self._worker(worker_id)
         r = self.replicas.get(replica_id)
         if r is None or r.worker_id != worker_id:
@@ -470,7 +560,11 @@ class CoordinatorState:
 
         The first call marks those replicas as draining (no new leases); each call
         removes them once no unexpired lease names them. Refused (RetentionError) when it
-        would leave the model's newest complete version without a replica."""
+        would leave the model's newest complete version without a replica.
+
+        The worker's tombstones of (model, version) (invariant 8) drain with them: all of
+        them, or with ``replica_ids`` those of the same layout and shard."""
+        now = self._now(now)
         self._worker(worker_id)
         self._version(model, version)
         only = None if replica_ids is None else set(replica_ids)
@@ -479,7 +573,13 @@ class CoordinatorState:
             if r.worker_id == worker_id and r.model == model and r.version == version
             and (only is None or rid in only)
         }
-        if not mine:
+        parts = {(self.replicas[rid].layout, self.replicas[rid].shard) for rid in mine}
+        fenced = {
+            rid for rid, r in self.tombstones.items()
+            if r.worker_id == worker_id and r.model == model and r.version == version
+            and (only is None or (r.layout, r.shard) in parts)
+        }
+        if not mine and not fenced:
             return True, 0
         newly = {rid for rid in mine if not self.replicas[rid].draining}
         if newly and self.latest(model) == version:
@@ -492,18 +592,21 @@ class CoordinatorState:
                 )
         for rid in newly:
             self.replicas[rid].draining = True
-        open_ = self._open_leases(now, mine)
+        open_ = self._open_leases(now, mine | fenced)
         if self.restored and now < self.boot_time + self.config.lease_ttl:
             return False, max(open_, 1)  # leases granted before the restart may still run
         if open_:
             return False, open_
         for rid in mine:
             del self.replicas[rid]
+        for rid in fenced:
+            del self.tombstones[rid]
         return True, 0
 
     def report(self, now: float, replica_id: str, reporter: str, reason: str) -> Optional[Replica]:
         """A reader saw ``replica_id`` fail: give it no new leases for ``suspect_ttl``.
         Returns the replica (None if it is already gone)."""
+        now = self._now(now)
         self._worker(reporter)
         r = self.replicas.get(replica_id)
         if r is None:
@@ -513,8 +616,14 @@ class CoordinatorState:
 
     # ----------------------------------------------------------------- leases
     def acquire_lease(self, now: float, req: AcquireLease) -> LeaseGrant:
-        """A reader asks to read (model, version, layout, shard)."""
+        """A reader asks to read (model, version, layout, shard). Asked again with the same
+        ``request_id`` while that lease is open, it answers the first grant again."""
+        now = self._now(now)
         reader = self._worker(req.worker_id)
+        if req.request_id is not None and req.lease_id is None:
+            hit = self.lease_requests.get((req.worker_id, req.request_id))
+            if hit is not None and hit[0] in self.leases and self.leases[hit[0]].expires >= now:
+                return hit[1]
         vi = self._version(req.model, req.version)
         li = vi.layouts.get(req.layout)
         if li is None or req.shard not in li.manifests:
@@ -570,6 +679,7 @@ class CoordinatorState:
         choice = choose_sources(reader.locality, req.worker_id, cands, max_sources=req.max_sources,
                                 pipelined=req.pipelined, seeders=seeders, policy=self.config.policy, have=own)
         if not choice.sources and not (req.pipelined and cands):
+            self._check_gone(now, key, req.worker_id)
             raise ConflictError(
                 409,
                 f"no replica of {req.model!r} v{req.version} layout {req.layout!r} shard {req.shard} "
@@ -608,7 +718,7 @@ class CoordinatorState:
                                             lease.reserved)
             reserved = sorted(lease.reserved)
         chunk_bytes = grid_chunk_bytes(li.manifests[req.shard].nbytes) if req.pipelined else 0
-        return LeaseGrant(
+        grant = LeaseGrant(
             lease_id=lid,
             model=req.model,
             version=req.version,
@@ -634,6 +744,34 @@ class CoordinatorState:
             seed=choice.seed,
             reason=choice.reason,
         )
+        if req.request_id is not None and refresh is None:
+            self.lease_requests[(req.worker_id, req.request_id)] = (lid, grant)
+        return grant
+
+    def _check_gone(self, now: float, key: tuple, reader: str) -> None:
+        """Raise ``version_gone`` when nobody serves the shard and nobody can again
+        (invariant 11): it is not the newest complete version, no replica of it (complete,
+        partial, draining, suspect or fenced) is left, no other reader holds a lease on it
+        (a plain reader registers its copy after reading), and re-registration after a
+        restart (within ``worker_ttl`` of boot) is over."""
+        model, version = key[0], key[1]
+        newest = self.latest(model)
+        if newest is None or version >= newest:
+            return
+        if self.restored and now <= self.boot_time + self.config.worker_ttl:
+            return
+        if any((r.model, r.version, r.layout, r.shard) == key
+               for r in itertools.chain(self.replicas.values(), self.tombstones.values())):
+            return
+        if any((l.model, l.version, l.layout, l.shard) == key and l.expires >= now and l.worker_id != reader
+               for l in self.leases.values()):
+            return
+        raise ConflictError(
+            409,
+            f"{model!r} v{version} (layout {key[2]!r} shard {key[3]}) is no longer held by anyone and "
+            f"cannot come back (it is not the newest); the newest complete version is v{newest}",
+            "version_gone",
+        )
 
     def _seeder_alive(self, now: float, seeder: Optional[str], key: tuple) -> bool:
         """Does the seeder named for a datacenter still count: a live worker holding a
@@ -653,6 +791,7 @@ class CoordinatorState:
 
     def renew_lease(self, now: float, lease_id: str) -> float:
         """Extend a still-valid lease by ``lease_ttl``; a lapsed one cannot be renewed."""
+        now = self._now(now)
         l = self.leases.get(lease_id)
         if l is None or l.expires < now:
             raise ConflictError(409, f"lease {lease_id} has lapsed; read again", "lease_lapsed")
@@ -660,7 +799,13 @@ class CoordinatorState:
         return self.config.lease_ttl
 
     def release_lease(self, now: float, lease_id: str) -> bool:
-        """A reader finished: True if the lease was valid up to now (its bytes are good)."""
+        """A reader finished: True if the lease was valid up to now (its bytes are good).
+
+        A lease this incarnation never granted (the coordinator restarted) is vouched for
+        only until ``boot + lease_ttl``: holders cannot finish draining before then. The
+        reader still checks its own bound (its last successful grant or renewal + ttl on
+        its monotonic clock), so a lease that lapsed before the restart is never trusted."""
+        now = self._now(now)
         l = self.leases.pop(lease_id, None)
         if l is None:
             # Granted by an earlier incarnation: its holders cannot have finished draining
@@ -679,6 +824,7 @@ class CoordinatorState:
         this coordinator knows are accepted, which bounds the label sets of ``/metrics``.
         Returns an ended fetch's bytes by distance (``DISTANCES``, or ``unknown`` for a
         worker no longer registered); ``{}`` for a running one."""
+        now = self._now(now)
         self._model(req.model)
         key = (req.worker_id, req.model, req.version, req.layout, req.shard)
         if req.state == "running":

@@ -31,6 +31,9 @@ CREATE TABLE IF NOT EXISTS layouts (
 CREATE TABLE IF NOT EXISTS manifests (
     model TEXT NOT NULL, version INTEGER NOT NULL, layout TEXT NOT NULL, shard INTEGER NOT NULL,
     manifest TEXT NOT NULL, PRIMARY KEY (model, version, layout, shard));
+CREATE TABLE IF NOT EXISTS allocations (
+    model TEXT NOT NULL, request_id TEXT NOT NULL, version INTEGER NOT NULL,
+    PRIMARY KEY (model, request_id));
 """
 
 SCHEMA_VERSION = "1"
@@ -77,6 +80,8 @@ class SqliteStore:
             "SELECT model, version, layout, shard, manifest FROM manifests"
         ):
             rows.append(("manifest", (model, version, layout, shard), Manifest.model_validate_json(text)))
+        for model, request_id, version in db.execute("SELECT model, request_id, version FROM allocations"):
+            rows.append(("allocation", (model, request_id), version))
         return rows
 
     def commit(self, writes: Iterable[Write]) -> None:
@@ -102,6 +107,10 @@ class SqliteStore:
                         "INSERT OR IGNORE INTO manifests VALUES (?, ?, ?, ?, ?)",
                         (*key, json.dumps(value.model_dump(mode="json"), separators=(",", ":"))),
                     )
+                elif table == "allocation":
+                    db.execute("INSERT OR IGNORE INTO allocations VALUES (?, ?, ?)", (*key, value))
+                elif table == "allocation_floor":
+                    db.execute("DELETE FROM allocations WHERE model=? AND version<=?", (*key, value))
                 else:  # pragma: no cover - programming error
                     raise ValueError(f"unknown table {table!r}")
             db.execute("COMMIT")

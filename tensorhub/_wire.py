@@ -151,6 +151,8 @@ class RegisterWorker(_Model):
 
 class AllocateVersion(_Model):
     version: Optional[Version] = None
+    #: Client-chosen id of this request: a retry with the same id gets the same number.
+    request_id: Optional[Ident] = None
 
 
 class Resolve(_Model):
@@ -203,6 +205,8 @@ class AcquireLease(_Model):
     pipelined: bool = False
     #: Refresh this (still valid) lease of the same worker instead of opening a new one.
     lease_id: Optional[Ident] = None
+    #: Client-chosen id of this request: a retry with the same id gets the same lease.
+    request_id: Optional[Ident] = None
 
 
 class ReportChunks(_Model):

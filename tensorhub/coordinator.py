@@ -3,7 +3,8 @@
 Run it as ``tensorhub coordinator --host 127.0.0.1 --port 0 --state-dir DIR``, or embed it
 in a process with :class:`EmbeddedCoordinator` (the demo does). Every request takes one
 lock, asks the state machine, commits the durable writes to SQLite, then answers.
-Its clock is ``time.time()``. The API is versioned under ``/v1``; ``/openapi.json``
+Its clock is ``time.monotonic()``: a wall-clock step of either sign changes no lease,
+liveness or drain answer (the state machine also never lets time move back). The API is versioned under ``/v1``; ``/openapi.json``
 describes it. With a token configured every endpoint but ``/healthz`` needs
 ``Authorization: Bearer <token>`` (compared in constant time, never logged).
 
@@ -76,7 +77,7 @@ class Coordinator:
     """State machine + durable store + lock + clock: what the HTTP routes call."""
 
     def __init__(self, state_dir: str | os.PathLike, config: StateConfig = StateConfig(),
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.config = config
         self.store = SqliteStore(state_dir)
@@ -115,6 +116,8 @@ class Coordinator:
         fresh = CoordinatorState.restore(self.store.load(), self.config, now=self.clock())
         fresh.epoch, fresh.boot_time, fresh.restored = self.state.epoch, self.state.boot_time, self.state.restored
         fresh.workers, fresh.replicas, fresh.leases = self.state.workers, self.state.replicas, self.state.leases
+        fresh.tombstones, fresh.lease_requests = self.state.tombstones, self.state.lease_requests
+        fresh.clock, fresh.pauses = self.state.clock, self.state.pauses
         fresh.fetching = self.state.fetching
         self.state = fresh
 
@@ -251,7 +254,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     @app.get("/v1/info")
     async def info() -> dict:
         c = coord.config
-        return {"epoch": coord.state.epoch, "time": coord.clock(), "lease_ttl": c.lease_ttl,
+        return {"epoch": coord.state.epoch, "time": time.time(), "lease_ttl": c.lease_ttl,
                 "worker_ttl": c.worker_ttl, "suspect_ttl": c.suspect_ttl, "max_body_bytes": MAX_BODY_BYTES}
 
     @app.post("/v1/workers")
@@ -279,7 +282,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
 
     @app.post("/v1/models/{model}/versions")
     def allocate(model: str = _model(), req: AllocateVersion = Body(default=AllocateVersion())) -> dict:
-        return {"version": coord.call(lambda now: st().allocate_version(now, model, req.version))}
+        return {"version": coord.call(lambda now: st().allocate_version(now, model, req.version, req.request_id))}
 
     @app.get("/v1/models/{model}/latest")
     async def latest(

@@ -15,7 +15,9 @@ from tensorhub._state import CoordinatorState, StateConfig
 from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
 
 MiB = 1 << 20
-CFG = StateConfig(lease_ttl=10.0, worker_ttl=5.0, suspect_ttl=3.0)
+# These tests jump time without the shell's once-a-second expiry ticks; pause grace (its
+# own tests: tests/test_consistency_state.py) would read each jump as a paused coordinator.
+CFG = StateConfig(lease_ttl=10.0, worker_ttl=5.0, suspect_ttl=3.0, pause_grace=1e9)
 
 
 def loc(dc: str = "a", zone: str = "z", host: str = "h") -> Locality:
@@ -153,15 +155,15 @@ def test_state_partial_replicas_are_offered_only_for_reported_chunks():
     assert {r.worker_id: r.chunks for r in g2.replicas}["r1"] == [3, 4]
     assert not s.acquire_lease(0.6, AcquireLease(worker_id="r2", model="m", version=1)).replicas[0].chunks
     assert [r.worker_id for r in s.acquire_lease(0.6, AcquireLease(worker_id="r2", model="m", version=1)).replicas] == ["pub"]
-    # a chunk read under a lapsed lease is never offered
-    with pytest.raises(ConflictError, match="lapsed"):
-        s.add_chunks(CFG.lease_ttl + 1, rid, "r1", [5], [g1.lease_id])
     # a partial replica does not count for retention; completing it does
     from tensorhub import RetentionError
     with pytest.raises(RetentionError):
         s.unpublish(1, "pub", "m", v)
     assert s.register_replica(1, reg("r1", v))[0] == rid and s.replicas[rid].chunks is None
     assert s.unpublish(1, "pub", "m", v)[0] is False  # draining now (r2's lease names pub)
+    # a chunk read under a lapsed lease is never offered (time only moves forward: last)
+    with pytest.raises(ConflictError, match="lapsed"):
+        s.add_chunks(CFG.lease_ttl + 1, rid, "r1", [5], [g1.lease_id])
 
 
 def test_state_seeding_and_takeover():

@@ -11,7 +11,9 @@ from tensorhub import ConflictError, ManifestMismatchError, NotFoundError, Reten
 from tensorhub._state import CoordinatorState, StateConfig, locality_cost
 from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
 
-CFG = StateConfig(lease_ttl=10.0, worker_ttl=5.0, suspect_ttl=3.0, group_ttl=100.0)
+# These tests jump time without the shell's once-a-second expiry ticks; pause grace (its
+# own tests: tests/test_consistency_state.py) would read each jump as a paused coordinator.
+CFG = StateConfig(lease_ttl=10.0, worker_ttl=5.0, suspect_ttl=3.0, pause_grace=1e9, group_ttl=100.0)
 
 
 def manifest(n: int = 2, dim: int = 4, dtype: str = "float32") -> Manifest:
