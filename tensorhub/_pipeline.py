@@ -15,8 +15,13 @@ A pipelined fetch:
    the report if that lease lapsed, so a chunk is offered to others only if it was read
    under a valid lease and is complete in memory (the transport said DONE);
 5. at the end registers the replica as complete (same replica id). If the fetch fails,
-   the partial replica is unpublished (readers drained) before its memory is released; if
-   they do not drain, the memory is quarantined.
+   the partial replica (only it) is unpublished (readers drained) before its memory is
+   released; if that is not confirmed in time, the memory is quarantined: the error says
+   so, ``fetch(into=...)`` refuses it, and the Hub keeps trying to withdraw it on its
+   heartbeats (then the quarantine is lifted).
+
+Leases are trusted only up to the reader's own bound (``_fencing.LeaseClock``): chunks
+read under a lease past it are neither offered to others nor accepted.
 
 Invariant: nobody reads a chunk that is not complete on its source (tests/test_pipelined.py).
 """
@@ -24,6 +29,7 @@ Invariant: nobody reads a chunk that is not complete on its source (tests/test_p
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -142,8 +148,11 @@ class PipelinedReader(ShardReader):
                 last_progress = time.monotonic()
                 self.receiving.discard(f.chunk)
                 if st == 1 and not f.abandoned:
-                    self._count(stats, f)
-                    self.completed.append((f.chunk, f.source.lease_id))
+                    if self._accept(f, fail):  # verified before it is reported, so offered to others
+                        self._count(stats, f)
+                        self.completed.append((f.chunk, f.source.lease_id))
+                    else:
+                        need.insert(0, f.chunk)
                 else:
                     if st != 1:
                         fail(f.source, f"read failed with code {st}")
@@ -176,6 +185,7 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
     leases: list[str] = []
     cur: list[Optional[str]] = [None]
     no_source = [""]
+    trust = LeaseClock()
 
     def acquire(excluded: set[str], wait: bool) -> Optional[LeaseGrant]:
         delay = 0.05
@@ -183,6 +193,9 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
             body = {"worker_id": hub.worker_id, "model": model, "version": version, "layout": layout,
                     "shard": shard, "max_sources": hub.max_sources, "exclude": sorted(excluded)[:1024],
                     "pipelined": True, "lease_id": cur[0]}
+            if cur[0] is None:
+                body["request_id"] = secrets.token_hex(12)  # a retried request gets the same lease
+            sent = time.monotonic()
             try:
                 g = LeaseGrant.model_validate(hub._as_worker("/v1/leases", body))
             except ConflictError as e:
@@ -202,6 +215,7 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
                 raise FetchError(f"asked for {model!r} v{version} but the lease is for v{g.version}")
             if g.lease_id not in leases:
                 leases.append(g.lease_id)
+            trust.granted(g.lease_id, sent, g.ttl)
             cur[0] = g.lease_id
             return g
 
@@ -211,6 +225,7 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
     regions: list[tuple[int, int]] = []
     partial_id: Optional[str] = None
     served = False
+    failure: Optional[BaseException] = None
     buf = None
     try:
         if into is not None:
@@ -283,7 +298,8 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
             sent[0] = len(reader.completed)
             by_lease: dict[str, list[int]] = {}
             for c, lid in new:
-                by_lease.setdefault(lid, []).append(c)
+                if trust.trusted(lid):  # past the reader's bound: never offered (re-read at release)
+                    by_lease.setdefault(lid, []).append(c)
             if not by_lease:
                 by_lease[""] = []
             for lid, cs in by_lease.items():
@@ -301,7 +317,7 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
             now = time.monotonic()
             if now - clock["renew"] >= renew_every:
                 clock["renew"] = now
-                hub_mod._renew(hub.api, leases)
+                renew_leases(hub.api, leases, trust, hub._lease_ttl)
             publish_progress()
 
         todo: Optional[list[int]] = None
@@ -315,7 +331,7 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
                 if not reader.stuck:
                     raise
                 regions = []  # a hung batch may still write there: never unregister it
-                raise hub_mod._quarantine(e, buf, out, into) from e
+                raise hub_mod._quarantine(hub, e, buf, out, into) from e
             nbytes += stats.nbytes
             seconds += stats.seconds
             failed += stats.failed_sources
@@ -324,8 +340,7 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
             prog.tick(stats)
             prog.attempt_done()
             publish_progress(force=True)
-            lapsed = [lid for lid in leases if not hub._release(lid)]
-            leases.clear()
+            lapsed = hub._release_checked(leases, trust)
             cur[0] = None
             if not lapsed:
                 break
@@ -351,31 +366,46 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
                     f"; failed replicas {failed}" if failed else "",
                     f"; serving it as replica {held.replica_id}" if served else "")
         return hub._fetched(out, version, layout, shard, nbytes, seconds, total, failed)
+    except BaseException as e:
+        failure = e
+        raise
     finally:
         if not served:
             hub._release_all(leases)
             # Withdraw within the fetch's deadline; if the coordinator cannot confirm that no
             # reader is left, the memory is quarantined instead of freed.
-            if partial_id is not None and regions and not _withdraw(hub, model, version,
+            if partial_id is not None and regions and not _withdraw(hub, model, version, partial_id,
                                                                      until=deadline + hub_mod._RELEASE_GRACE):
-                hub_mod._QUARANTINE.append(buf if buf is not None else out)
+                keep = buf if buf is not None else out
+                hub_mod._QUARANTINE.append(keep)
+                pid = partial_id
+                why = (f"peers may still read it: the failed fetch of {model!r} v{version} could not confirm "
+                       f"that its partial replica {pid} drained")
+                hub._quarantine.add(out, keep, why, regions=regions,
+                                    withdraw=lambda: _withdraw(hub, model, version, pid, until=0.0, quiet=True))
                 regions = []
+                if into is not None and isinstance(failure, Exception):
+                    raise FetchError(f"{failure}; the `into` tensors are quarantined and must not be reused "
+                                     f"({why}; lifted once the coordinator confirms it)") from failure
             hub._unregister_regions(transport, regions)
 
 
-def _withdraw(hub: Any, model: str, version: int, until: float) -> bool:
-    """Unpublish a failed fetch's partial replica; True once no reader holds a lease on it
-    (False if that is not confirmed by ``until``, a ``time.monotonic()`` deadline)."""
+def _withdraw(hub: Any, model: str, version: int, replica_id: str, until: float, quiet: bool = False) -> bool:
+    """Unpublish a failed fetch's partial replica (only it: the worker may hold the version
+    in other replicas); True once no reader holds a lease on it (False if that is not
+    confirmed by ``until``, a ``time.monotonic()`` deadline)."""
     end = until
     while True:
         try:
-            r = hub._as_worker(f"/v1/models/{model}/versions/{version}/unpublish", {"worker_id": hub.worker_id},
-                               retry_timeout=2.0)
+            r = hub._as_worker(f"/v1/models/{model}/versions/{version}/unpublish",
+                               {"worker_id": hub.worker_id, "replica_ids": [replica_id]}, retry_timeout=2.0)
             if r["drained"]:
                 return True
         except TensorHubError as e:
             logger.warning("withdrawing worker %s's partial replica of %s v%d: %s", hub.worker_id, model, version, e)
         if time.monotonic() > end:
+            if quiet:
+                return False
             logger.error("worker %s's partial replica of %s v%d did not drain; its memory is quarantined",
                          hub.worker_id, model, version)
             return False

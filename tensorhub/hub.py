@@ -39,6 +39,7 @@ from urllib.parse import urlparse
 
 from . import envs
 from ._client import CoordinatorClient
+from ._fencing import LeaseClock, Quarantine, renew_leases
 from ._exceptions import (
     ConfigError,
     FetchError,
@@ -183,6 +184,11 @@ class Hub:
         self._outbox = Outbox(self)
         #: (epoch, served leases, served bytes) last answered on a heartbeat.
         self._served_seen: tuple[Optional[str], int, int] = (None, 0, 0)
+        #: Memory fetches must not write (docs/consistency.md); lifted on heartbeats.
+        self._quarantine = Quarantine()
+        #: Held replica -> monotonic time before which unpublish does not let it be
+        #: overwritten: set when this worker learns it was expired or the coordinator restarted.
+        self._fence_until: dict[tuple[str, int, str, int], float] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> "Hub":
@@ -262,6 +268,8 @@ class Hub:
                 r = self.api.post(f"/v1/workers/{self.worker_id}/heartbeat",
                                   retry_timeout=self.heartbeat_interval)
                 self._count_served(r)
+                if len(self._quarantine) and self._transport is not None:
+                    self._quarantine.retry(lambda regions: self._unregister_regions(self._transport, regions))
                 if r.get("epoch") != self._epoch:
                     logger.warning("coordinator restarted (epoch %s -> %s); re-registering", self._epoch, r["epoch"])
                     self._reregister()
@@ -337,6 +345,12 @@ class Hub:
         replica being unpublished is announced again, but with a short retry budget: a
         coordinator that is still down must not stall this process's fetches for long."""
         budget = max(1.0, 2 * self.heartbeat_interval)
+        with self._lock:
+            # Leases on what we held may still run (granted before the restart, or renewed
+            # on our tombstones): overwriting any of it waits one more lease ttl.
+            until = time.monotonic() + self._lease_ttl
+            for key in self._held:
+                self._fence_until[key] = max(self._fence_until.get(key, 0.0), until)
         try:
             with self._lock:
                 self._register_worker(retry_timeout=budget)
@@ -435,15 +449,34 @@ class Hub:
                 raise why
             time.sleep(delay)
             delay = min(delay * 1.5, 0.25)
+        self._wait_fence(mine, deadline, model, version)
         transport = self._ensure_transport()
         with self._lock:
             for h in mine:
                 self._drop((h.model, h.version, h.layout, h.shard))
+                self._fence_until.pop((h.model, h.version, h.layout, h.shard), None)
                 self._unregister_regions(transport, h.regions)
             for c in copies:
                 self._hold(c)
         logger.info("worker %s unpublished %s v%d (replica(s) %s)%s", self.worker_id, model, version,
                     ", ".join(h.replica_id for h in mine), " (kept serving a CPU copy)" if copies else "")
+
+    def _wait_fence(self, mine: list["_Held"], deadline: Optional[float], model: str, version: int) -> None:
+        """Holder rule (docs/consistency.md): after this worker learned it was expired or
+        the coordinator restarted, what it held then stays untouched for one lease ttl."""
+        with self._lock:
+            until = max((self._fence_until.get((h.model, h.version, h.layout, h.shard), 0.0) for h in mine),
+                        default=0.0)
+        wait = until - time.monotonic()
+        if wait <= 0:
+            return
+        if deadline is not None and time.monotonic() + wait > deadline:
+            raise HubTimeoutError(
+                f"unpublish {model!r} v{version}: this worker was expired or the coordinator restarted "
+                f"while it held it; leases on it may run {wait:.1f}s more: the tensors must stay untouched")
+        logger.warning("unpublish %s v%d: waiting %.1fs (leases from before this worker re-registered may "
+                       "still be read)", model, version, wait)
+        time.sleep(wait)
 
     def _retain_copy(self, h: _Held) -> _Held:
         """Copy a held shard into new CPU memory and register the copy as a replica."""
@@ -613,7 +646,8 @@ class Hub:
             return fetch_pipelined(self, model, version, layout, shard, into, serve, deadline, track=track)
         transport = self._ensure_transport()
         leases: list[str] = []
-        grant = self._acquire(model, version, layout, shard, set(), deadline)
+        clock = LeaseClock()
+        grant = self._acquire(model, version, layout, shard, set(), deadline, clock)
         leases.append(grant.lease_id)
         manifest = grant.manifest
         keep: Optional[list[int]] = None
@@ -646,7 +680,7 @@ class Hub:
             first = [grant]
 
             def sources(excluded: set[str]) -> list[Source]:
-                g = first.pop() if first else self._acquire(model, version, layout, shard, excluded, deadline)
+                g = first.pop() if first else self._acquire(model, version, layout, shard, excluded, deadline, clock)
                 if g.lease_id not in leases:
                     leases.append(g.lease_id)
                 return [Source(r.replica_id, r.worker_id, r.endpoint,
@@ -667,7 +701,7 @@ class Hub:
                 if time.monotonic() - last_renew[0] < renew_every:
                     return
                 last_renew[0] = time.monotonic()
-                _renew(self.api, leases)
+                renew_leases(self.api, leases, clock, self._lease_ttl)
 
             todo: Optional[list[int]] = None
             total_sources: dict[str, int] = {}
@@ -680,7 +714,7 @@ class Hub:
                     if not reader.stuck:
                         raise
                     regions = []  # a hung batch may still write there: never unregister it
-                    raise _quarantine(e, buf, out, into) from e
+                    raise _quarantine(self, e, buf, out, into) from e
                 nbytes += stats.nbytes
                 seconds += stats.seconds
                 failed += stats.failed_sources
@@ -688,8 +722,7 @@ class Hub:
                     total_sources[w] = total_sources.get(w, 0) + n
                 prog.tick(stats)
                 prog.attempt_done()
-                lapsed = [lid for lid in leases if not self._release(lid)]
-                leases.clear()
+                lapsed = self._release_checked(leases, clock)
                 if not lapsed:
                     break
                 todo = sorted(c for lid in lapsed for c in stats.chunks_by_lease.get(lid, []))
@@ -718,7 +751,9 @@ class Hub:
                 self._unregister_regions(transport, regions)
 
     def _check_not_served(self, into: Mapping[str, Any]) -> None:
-        """Refuse to write into memory this hub still serves (invariant 3: unpublish first)."""
+        """Refuse to write into memory this hub still serves (invariant 3: unpublish first)
+        or that is quarantined (a peer may still read it, or a hung transfer write it)."""
+        self._quarantine.check(into)
         with self._lock:
             served = [(a, n, h) for h in self._held.values() for a, n in h.regions]
         for name, t in into.items():
@@ -730,18 +765,23 @@ class Hub:
                         f"unpublish({h.model!r}, {h.version}) first")
 
     def _acquire(self, model: str, version: int, layout: str, shard: int, excluded: set[str],
-                 deadline: float) -> LeaseGrant:
-        """A lease on the shard; waits (until ``deadline``) while no replica is serving."""
+                 deadline: float, clock: Optional[LeaseClock] = None) -> LeaseGrant:
+        """A lease on the shard; waits (until ``deadline``) while no replica is serving.
+        ``clock`` learns how long the reader may trust it (docs/consistency.md)."""
         delay = 0.05
         while True:
             try:
+                sent = time.monotonic()
                 body = self._as_worker("/v1/leases", {
                     "worker_id": self.worker_id, "model": model, "version": version, "layout": layout,
                     "shard": shard, "max_sources": self.max_sources, "exclude": sorted(excluded)[:1024],
+                    "request_id": secrets.token_hex(12),  # a retried request gets the same lease
                 })
                 grant = LeaseGrant.model_validate(body)
                 if grant.version != version:
                     raise FetchError(f"asked for {model!r} v{version} but the lease is for v{grant.version}")
+                if clock is not None:
+                    clock.granted(grant.lease_id, sent, grant.ttl)
                 return grant
             except ConflictError as e:
                 if e.code != "no_replica" or time.monotonic() + delay > deadline:
@@ -754,6 +794,21 @@ class Hub:
             return bool(self.api.post(f"/v1/leases/{lease_id}/release")["valid"])
         except NotFoundError:
             return False
+
+    def _release_checked(self, leases: list[str], clock: LeaseClock) -> list[str]:
+        """Release a read's leases; returns those whose bytes cannot be trusted: the
+        coordinator says the lease lapsed, or the reader's own bound passed first."""
+        lapsed = []
+        for lid in leases:
+            trusted = clock.trusted(lid)  # the bytes are all in: judge before the round trip
+            valid = self._release(lid)
+            if not (trusted and valid):
+                if valid:
+                    logger.warning("lease %s: released in time for the coordinator, but past this reader's "
+                                   "own bound (last grant/renewal + ttl): re-reading", lid)
+                lapsed.append(lid)
+        leases.clear()
+        return lapsed
 
     def _release_all(self, leases: list[str]) -> None:
         for lid in leases:
@@ -787,21 +842,14 @@ class Hub:
             return sorted(self._held)
 
 
-def _renew(api: CoordinatorClient, leases: list[str]) -> None:
-    """Renew a read's leases (best effort: releasing them tells whether one lapsed)."""
-    for lid in leases:
-        try:
-            api.post(f"/v1/leases/{lid}/renew", retry_timeout=2.0)
-        except TensorHubError:
-            pass
-
-
-def _quarantine(e: BaseException, buf: Any, out: Any, into: Any) -> FetchError:
+def _quarantine(hub: Hub, e: BaseException, buf: Any, out: Any, into: Any) -> FetchError:
     """A read whose batch never ended: keep its destination alive forever (never freed or
-    reused by us) and say so in the error the caller raises."""
+    reused by us; ``fetch(into=...)`` refuses it) and say so in the error the caller raises."""
     _QUARANTINE.append(buf if buf is not None else out)
+    if into is not None:
+        hub._quarantine.add(into, into, "a hung source may still write into it (a fetch's transfer never ended)")
     return FetchError(f"{e}; a hung source may still write into the destination"
-                      + (": do not reuse the `into` tensors" if into is not None else ""))
+                      + (": the `into` tensors are quarantined and must not be reused" if into is not None else ""))
 
 
 def _select(manifest: Manifest, names: list[str], model: str, version: int) -> list[int]:
