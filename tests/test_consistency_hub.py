@@ -133,3 +133,25 @@ def test_fetch_into_quarantined_memory_is_refused(hubs):
     with pytest.raises(ConfigError, match=r"into\['w0'\] is quarantined and must not be reused: peers may"):
         r.fetch("m", v, into=into, serve=False)
     assert r.fetch("m", v, serve=False).version == v
+
+
+@pytest.mark.parametrize("step", [-3600.0, 3600.0])
+def test_a_wall_clock_step_changes_no_answer(monkeypatch, hubs, embedded, step):
+    """Rule 1: the coordinator (real HTTP, in this process) decides leases and liveness
+    on the monotonic clock; the wall clock jumps by an hour either way mid-read."""
+    t, r = hubs("t"), hubs("r")
+    w = weights(1)
+    v = t.publish("m", w)
+    t.publish("m", weights(2))
+    clock = LeaseClock()
+    g = r._acquire("m", v, "hf", 0, set(), time.monotonic() + 10, clock)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + step)
+    time.sleep(0.5)  # a few heartbeats and expiry ticks under the stepped clock
+    st = r.api.get("/v1/status")
+    assert {x["worker_id"] for x in st["workers"]} >= {"t", "r"}
+    assert [l["lease_id"] for l in st["leases"]] == [g.lease_id]
+    drained = r.api.post(f"/v1/models/m/versions/{v}/unpublish", {"worker_id": "t"})
+    assert drained == {"drained": False, "open_leases": 1}
+    assert r._release_checked([g.lease_id], clock) == []
+    monkeypatch.setattr(time, "time", real)
