@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
+from ._checksum import compute
 from ._exceptions import ConfigError, TensorMismatchError
 from ._wire import DTYPE_SIZES, Manifest, TensorSpec
 
@@ -32,8 +33,9 @@ def _torch_dtype(name: str) -> "torch.dtype":
     return getattr(torch, name)
 
 
-def manifest_of(tensors: Mapping[str, Any]) -> tuple[Manifest, list[int]]:
-    """The manifest of ``tensors`` (in their order) and each tensor's address.
+def manifest_of(tensors: Mapping[str, Any], checksum: str = "off") -> tuple[Manifest, list[int]]:
+    """The manifest of ``tensors`` (in their order) and each tensor's address; with the
+    per-chunk checksums ``checksum`` (a ``_checksum.MODES`` setting) calls for.
 
     Refuses non-tensors, non-contiguous tensors and unsupported dtypes, naming the tensor."""
     import torch
@@ -54,9 +56,13 @@ def manifest_of(tensors: Mapping[str, Any]) -> tuple[Manifest, list[int]]:
                                 nbytes=t.numel() * t.element_size()))
         addrs.append(t.data_ptr())
     try:
-        return Manifest(tensors=specs), addrs
+        manifest = Manifest(tensors=specs)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    sums = compute(list(tensors.values()), checksum)
+    if sums is not None:
+        manifest = Manifest.model_construct(tensors=manifest.tensors, checksum=sums[0], checksums=sums[1])
+    return manifest, addrs
 
 
 def coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -100,9 +100,16 @@ class TensorSpec(_Model):
 
 
 class Manifest(_Model):
-    """The ordered tensors of one (model, version, layout, shard)."""
+    """The ordered tensors of one (model, version, layout, shard), and optionally one
+    checksum per chunk of the shard's grid (``_checksum``: the publisher computes them,
+    readers verify each chunk before accepting it). Manifests without checksums (older
+    clients, CUDA tensors by default) stay valid."""
 
     tensors: list[TensorSpec] = Field(max_length=MAX_TENSORS)
+    #: The checksum algorithm (``_checksum.ALGORITHMS``, e.g. ``xxh3_64``); set with ``checksums``.
+    checksum: Optional[Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")]] = None
+    #: One unsigned 64-bit hash per chunk of ``_checksum.grid`` (in chunk order).
+    checksums: Optional[list[Annotated[int, Field(ge=0, lt=1 << 64)]]] = Field(default=None, max_length=MAX_CHUNKS)
 
     @model_validator(mode="after")
     def _unique_names(self) -> "Manifest":
@@ -113,6 +120,15 @@ class Manifest(_Model):
             seen.add(t.name)
         if sum(t.nbytes for t in self.tensors) > MAX_TENSOR_BYTES:
             raise ValueError("manifest is larger than 1 PiB")
+        if (self.checksum is None) != (self.checksums is None):
+            raise ValueError("checksum (the algorithm) and checksums (the values) go together")
+        if self.checksums is not None:
+            from ._checksum import count  # imported here: _checksum depends on this module
+
+            want = count([t.nbytes for t in self.tensors], limit=len(self.checksums))
+            if len(self.checksums) != want:
+                raise ValueError(f"{len(self.checksums)} checksums for a shard of {want} chunks "
+                                 "(one per chunk of its grid)")
         return self
 
     @property
@@ -129,6 +145,12 @@ def first_difference(a: Manifest, b: Manifest) -> Optional[str]:
             xv, yv = getattr(x, field), getattr(y, field)
             if xv != yv:
                 return f"tensor #{i} {x.name!r}: {field} {_fmt(yv)} != registered {_fmt(xv)}"
+    # Checksums compare only when both sides have them with the same algorithm: a manifest
+    # without them (an older client, a CUDA holder) or hashed otherwise is not a mismatch.
+    if a.checksums is not None and b.checksums is not None and a.checksum == b.checksum:
+        for c, (x, y) in enumerate(zip(a.checksums, b.checksums)):
+            if x != y:
+                return f"chunk {c}: {a.checksum} checksum {y:#x} != registered {x:#x} (different bytes)"
     return None
 
 
