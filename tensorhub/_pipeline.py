@@ -13,7 +13,8 @@ A pipelined fetch:
 4. reports the chunks it completed (``POST /v1/replicas/{id}/chunks``, every
    ``report_interval``), naming the lease they were read under; the coordinator refuses
    the report if that lease lapsed, so a chunk is offered to others only if it was read
-   under a valid lease and is complete in memory (the transport said DONE);
+   under a valid lease and is complete in memory (the transport said DONE, and its
+   checksum matched when the manifest has checksums: ``_checksum``);
 5. at the end registers the replica as complete (same replica id). If the fetch fails,
    the partial replica (only it) is unpublished (readers drained) before its memory is
    released; if that is not confirmed in time, the memory is quarantined: the error says
@@ -34,7 +35,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from ._checksum import verifier
 from ._exceptions import ConflictError, FetchError, LeaseLapsedError, TensorHubError, TransferError
+from ._fencing import LeaseClock, renew_leases
 from ._planner import chunk_order, pick_chunk
 from ._reader import ShardReader, Source
 from ._tensors import allocate_like, check_into, coalesce
@@ -241,7 +244,8 @@ def fetch_pipelined(hub: Any, model: str, version: int, layout: str, shard: int,
         reader = PipelinedReader(transport, [s.nbytes for s in manifest.tensors], local,
                                  chunk_bytes=grant.chunk_bytes, start=grant.start, reverse=grant.reverse,
                                  depth=hub_mod._DEPTH,
-                                 progress_timeout=hub.progress_timeout)
+                                 progress_timeout=hub.progress_timeout,
+                                 checksums=verifier(manifest, out, hub.checksum))
         prog = track.start(hub, model, version, layout, shard, manifest.nbytes)
         held = hub_mod._Held(model, version, layout, shard, grant.num_shards, manifest, local, regions, out,
                              extra=[buf])

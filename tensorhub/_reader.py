@@ -11,6 +11,12 @@ within its deadline marks its source hung; its chunk is re-read only after the t
 says that batch reached a terminal state, because until then the engine may still write
 into that destination (Mooncake's ``MC_TCP_PROGRESS_TIMEOUT_SEC`` bounds the wait).
 When no source is left, ``get_sources`` is asked for more (a new lease).
+
+Checksums (``_checksum``): with a :class:`~tensorhub._checksum.Verifier` the shard is cut on
+its chunk grid, and a chunk the transport says is DONE is hashed in local memory before it
+counts as read; a mismatch fails its source like a failed batch (reported, excluded) and
+the chunk is read again from another. If the fetch then fails for want of sources, the
+error names the mismatches.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from ._checksum import Verifier, cut
 from ._exceptions import FetchError, TransferError
-from .transport import DONE, MAX_BATCH_ENTRIES, MAX_ENTRY_BYTES, PENDING, ReadOp, Transport
+from .transport import DONE, MAX_ENTRY_BYTES, PENDING, ReadOp, Transport
 
 #: What _poll_one answers for a batch the transport withdrew before it sent anything.
 _CANCELLED = -125
@@ -67,7 +74,10 @@ class ShardReader:
 
     def __init__(self, transport: Transport, sizes: list[int], local_addrs: list[int], *,
                  chunk_bytes: int = 64 << 20, depth: int = 2, progress_timeout: float = 10.0,
-                 min_rate: float = 10e6, poll_interval: float = 0.002) -> None:
+                 min_rate: float = 10e6, poll_interval: float = 0.002,
+                 checksums: Optional[Verifier] = None) -> None:
+        """``checksums``: verify each chunk before accepting it; its chunks (the shard's
+        grid) then replace the cut by ``chunk_bytes``."""
         if not 0 < chunk_bytes <= MAX_ENTRY_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {MAX_ENTRY_BYTES}]")
         self.t = transport
@@ -77,7 +87,11 @@ class ShardReader:
         self.progress_timeout = progress_timeout
         self.min_rate = min_rate
         self.poll_interval = poll_interval
-        self.chunks = self._cut(chunk_bytes)
+        #: Verifies chunks in local memory (None: no checksums to check).
+        self.checksums = checksums
+        self.chunks = checksums.chunks if checksums is not None else self._cut(chunk_bytes)
+        #: replica id -> the checksum mismatch that failed it (this reader's, all runs).
+        self.mismatched: dict[str, str] = {}
         #: True when a run ended with a batch that may still write into local memory.
         self.stuck = False
         #: The running (or last) run's counts, updated as chunks land.
@@ -85,22 +99,7 @@ class ShardReader:
 
     def _cut(self, chunk_bytes: int) -> list[list[tuple[int, int, int]]]:
         """Chunks as lists of (tensor index, offset in tensor, length)."""
-        chunks: list[list[tuple[int, int, int]]] = []
-        cur: list[tuple[int, int, int]] = []
-        room = chunk_bytes
-        for i, n in enumerate(self.sizes):
-            off = 0
-            while off < n:
-                take = min(n - off, room)
-                cur.append((i, off, take))
-                off += take
-                room -= take
-                if room == 0 or len(cur) == MAX_BATCH_ENTRIES:
-                    chunks.append(cur)
-                    cur, room = [], chunk_bytes
-        if cur:
-            chunks.append(cur)
-        return chunks
+        return cut(self.sizes, chunk_bytes)
 
     def chunk_bytes(self, c: int) -> int:
         return sum(p[2] for p in self.chunks[c])
@@ -145,8 +144,12 @@ class ShardReader:
 
         try:
             self._loop(todo, inflight, failed, sources, stats, fail, get_sources, deadline, on_tick)
-        except BaseException:
+        except BaseException as e:
             self._drain(inflight)
+            if isinstance(e, FetchError) and self.mismatched:
+                bad = "; ".join(f"replica {r}: {why}" for r, why in self.mismatched.items())
+                raise FetchError(f"{e}; {len(self.mismatched)} source(s) excluded after a checksum "
+                                 f"mismatch ({bad})") from e
             raise
         stats.seconds = time.monotonic() - t0
         return stats
@@ -182,6 +185,19 @@ class ShardReader:
             return PENDING
         del inflight[h]
         return st
+
+    def _accept(self, f: "_Inflight", fail: Callable[[Source, str], None]) -> bool:
+        """A chunk the transport says is DONE: True if it may count as read (its checksum
+        matches, or there is none); else fail its source (reported, excluded): the caller
+        reads the chunk again."""
+        if self.checksums is None:
+            return True
+        why = self.checksums.check(f.chunk)
+        if why is None:
+            return True
+        self.mismatched.setdefault(f.source.replica_id, why)
+        fail(f.source, f"{why} (read from {f.source.endpoint})")
+        return False
 
     def _count(self, stats: ReadStats, f: "_Inflight") -> None:
         """Account a chunk that landed."""
@@ -235,7 +251,10 @@ class ShardReader:
                     continue
                 done_any = True
                 if st == DONE and not f.abandoned:
-                    self._count(stats, f)
+                    if self._accept(f, fail):
+                        self._count(stats, f)
+                    else:
+                        todo.append(f.chunk)  # checksum mismatch: read it from another source
                 else:
                     if st != DONE:
                         fail(f.source, f"read failed with code {st}")

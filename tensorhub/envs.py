@@ -122,6 +122,12 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Seconds between progress reports of a fetch that runs longer than a second (to the "
         "fetch's progress callback, else the log, and to the coordinator's status); 0: none.",
     ),
+    "TENSORHUB_CHECKSUM": (
+        _str("TENSORHUB_CHECKSUM", "auto"),
+        "Per-chunk checksums (xxh3_64), computed at publish and verified by readers before "
+        "they accept a chunk: 'auto' (CPU memory only), 'on' (CUDA memory too, hashed through "
+        "a host copy), 'off'.",
+    ),
     "TENSORHUB_STRIPE": (
         _int("TENSORHUB_STRIPE", 4),
         "Most replicas one fetch reads from at once.",

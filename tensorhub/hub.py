@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from urllib.parse import urlparse
 
 from . import envs
+from ._checksum import check_mode, verifier
 from ._client import CoordinatorClient
 from ._fencing import LeaseClock, Quarantine, renew_leases
 from ._exceptions import (
@@ -147,7 +148,8 @@ class Hub:
                  progress_timeout: Optional[float] = None, chunk_bytes: Optional[int] = None,
                  max_sources: Optional[int] = None, fetch_timeout: float = 600.0,
                  retain_on_cpu: Optional[bool] = None,
-                 pipelined: Optional[bool] = None, ca_file: Optional[str] = None) -> None:
+                 pipelined: Optional[bool] = None, ca_file: Optional[str] = None,
+                 checksum: Optional[str] = None) -> None:
         url = envs.pick(url, "TENSORHUB_COORDINATOR")
         if not url:
             raise ConfigError("no coordinator URL: pass one or set TENSORHUB_COORDINATOR")
@@ -169,6 +171,8 @@ class Hub:
         self.max_sources = int(envs.pick(max_sources, "TENSORHUB_STRIPE"))
         #: Read from readers still receiving, serve while receiving, seed across datacenters.
         self.pipelined = bool(envs.pick(pipelined, "TENSORHUB_PIPELINED"))
+        #: Per-chunk checksums: auto (CPU memory), on (CUDA too), off (_checksum).
+        self.checksum = check_mode(envs.pick(checksum, "TENSORHUB_CHECKSUM"))
         self.fetch_timeout = fetch_timeout
         self.retain_on_cpu = bool(envs.pick(retain_on_cpu, "TENSORHUB_RETAIN_ON_CPU"))
         self._transport = transport
@@ -392,7 +396,7 @@ class Hub:
         No copy: the tensors must stay unchanged until ``unpublish`` returns. With several
         shards, one rank publishes with ``version=None`` and passes the number it got to the
         others (``version=v``). The version is complete once every shard has a replica."""
-        manifest, addrs = manifest_of(tensors)
+        manifest, addrs = manifest_of(tensors, self.checksum)
         if not 0 <= shard < num_shards:
             raise ConfigError(f"shard {shard} is not in [0, {num_shards})")
         key_version = self.api.post(f"/v1/models/{model}/versions", {"version": version})["version"]
@@ -675,7 +679,8 @@ class Hub:
             spread = -(-manifest.nbytes // (2 * _DEPTH * max(1, len(grant.replicas))))
             chunk = min(self.chunk_bytes, max(_MIN_CHUNK, spread))
             reader = ShardReader(transport, [s.nbytes for s in manifest.tensors], local, chunk_bytes=chunk,
-                                 depth=_DEPTH, progress_timeout=self.progress_timeout)
+                                 depth=_DEPTH, progress_timeout=self.progress_timeout,
+                                 checksums=verifier(grant.manifest, out, self.checksum, keep))
             prog = track.start(self, model, version, layout, shard, manifest.nbytes)
             first = [grant]
 
