@@ -159,6 +159,17 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                 for t in published.pop(kw["version"], {}).values():
                     t.zero_()  # reuse the memory, as a trainer would
                 conn.send(("ok", waited))
+            elif cmd == "corrupt":
+                import torch
+
+                # Flip every bit of the version's held tensors in place (memory corruption
+                # behind the Hub's back: the manifest and the registration stay as they were).
+                with hub._lock:
+                    held = [h for h in hub._held.values() if h.version == kw["version"]]
+                for h in held:
+                    for t in h.tensors.values():
+                        t.view(torch.uint8).bitwise_not_()
+                conn.send(("ok", None))
             elif cmd == "latest":
                 conn.send(("ok", hub.latest(MODEL)))
             elif cmd == "held":
