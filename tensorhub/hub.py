@@ -399,7 +399,9 @@ class Hub:
         manifest, addrs = manifest_of(tensors, self.checksum)
         if not 0 <= shard < num_shards:
             raise ConfigError(f"shard {shard} is not in [0, {num_shards})")
-        key_version = self.api.post(f"/v1/models/{model}/versions", {"version": version})["version"]
+        # A retried allocation (the answer was lost) gets the same number: no skipped version.
+        key_version = self.api.post(f"/v1/models/{model}/versions",
+                                    {"version": version, "request_id": secrets.token_hex(12)})["version"]
         transport = self._ensure_transport()
         regions = coalesce([(a, s.nbytes) for a, s in zip(addrs, manifest.tensors)])
         h = _Held(model, key_version, layout, shard, num_shards, manifest, addrs, regions, dict(tensors))
