@@ -121,7 +121,7 @@ class _StateCollector:
         return []  # names are only known at collect time; nothing to check for clashes
 
     def collect(self) -> Any:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         v = self.view()
         workers = GaugeMetricFamily("tensorhub_workers", "Workers registered (heart-beating).")
@@ -133,7 +133,8 @@ class _StateCollector:
         held = GaugeMetricFamily("tensorhub_versions_held", "Versions with at least one serving complete replica.",
                                  labels=["model"])
         replicas = GaugeMetricFamily("tensorhub_replicas",
-                                     "Replicas by state (serving, partial: still receiving, suspect, draining).",
+                                     "Replicas by state (serving, partial: still receiving, suspect, draining, "
+                                     "fenced: a dropped worker's replica that leases still name).",
                                      labels=["model", "state"])
         nbytes = GaugeMetricFamily("tensorhub_replica_bytes", "Bytes held by serving complete replicas.",
                                    labels=["model"])
@@ -147,7 +148,11 @@ class _StateCollector:
                 replicas.add_metric([name, state], n)
             nbytes.add_metric([name], m["bytes"])
             leases.add_metric([name], m["leases"])
-        return [workers, latest, counter, held, replicas, nbytes, leases]
+        pauses = CounterMetricFamily(
+            "tensorhub_pause_grace", "Times the coordinator saw a gap with no call longer than its pause grace "
+            "(paused or starved) and gave every worker a fresh worker_ttl instead of expiring them.")
+        pauses.add_metric([], v.get("pauses", 0))
+        return [workers, latest, counter, held, replicas, nbytes, leases, pauses]
 
 
 class HubMetrics:

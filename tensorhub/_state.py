@@ -849,12 +849,13 @@ class CoordinatorState:
 
     def metrics_view(self, now: float) -> dict:
         """What ``/metrics`` shows of the state: per model, its latest complete version,
-        version counter, versions with a replica, replicas by state, bytes held by serving
-        complete replicas, open leases; and the worker count."""
+        version counter, versions with a replica, replicas by state (``fenced``: tombstones
+        of dropped workers that leases still name), bytes held by serving complete replicas,
+        open leases; the worker count, and how often a pause gave every worker a fresh ttl."""
         models: dict[str, dict] = {}
         for name, m in self.models.items():
             models[name] = {"latest": self.latest(name), "counter": m.counter, "held_versions": set(),
-                            "replicas": {"serving": 0, "partial": 0, "suspect": 0, "draining": 0},
+                            "replicas": {"serving": 0, "partial": 0, "suspect": 0, "draining": 0, "fenced": 0},
                             "bytes": 0, "leases": 0}
         for r in self.replicas.values():
             mv = models.get(r.model)
@@ -868,12 +869,15 @@ class CoordinatorState:
                 li = self.models[r.model].versions[r.version].layouts.get(r.layout)
                 man = li.manifests.get(r.shard) if li is not None else None
                 mv["bytes"] += man.nbytes if man is not None else 0
+        for r in self.tombstones.values():
+            if r.model in models:
+                models[r.model]["replicas"]["fenced"] += 1
         for l in self.leases.values():
             if l.expires >= now and l.model in models:
                 models[l.model]["leases"] += 1
         for mv in models.values():
             mv["held_versions"] = len(mv["held_versions"])
-        return {"workers": len(self.workers), "models": models}
+        return {"workers": len(self.workers), "models": models, "pauses": self.pauses}
 
     # ----------------------------------------------------------------- views
     def status(self, now: float) -> dict:

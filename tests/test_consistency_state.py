@@ -222,3 +222,16 @@ def test_version_gone_waits_out_re_registration_after_a_restart():
     with pytest.raises(ConflictError) as e:
         st2.acquire_lease(111, AcquireLease(worker_id="r", model="m", version=v1))
     assert e.value.code == "version_gone"
+
+
+def test_metrics_view_counts_fenced_replicas_and_pauses():
+    cfg = StateConfig(lease_ttl=30.0, worker_ttl=10.0)
+    st = ticking(cfg, "h", "r")
+    v = st.allocate_version(0, "m")
+    st.register_replica(0, reg("h", v, 4096))
+    st.acquire_lease(1, AcquireLease(worker_id="r", model="m", version=v))
+    tick(st, 1, 12, alive=("r",))
+    view = st.metrics_view(12)
+    assert view["models"]["m"]["replicas"]["fenced"] == 1 and view["pauses"] == 0
+    st.expire(40)  # paused 28 s
+    assert st.metrics_view(40)["pauses"] == 1
