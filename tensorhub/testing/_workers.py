@@ -7,6 +7,18 @@ processes step by step and fault them (:mod:`tensorhub.testing._faults`).
 and restart it on the same port and state dir. Weights are deterministic per seed
 (:func:`make_weights`) and checked with per-tensor sha256 (:func:`digest`).
 torch is imported inside functions.
+
+Worker commands (``worker.call(cmd, **kw)``; the keyword arguments in brackets are optional):
+
+* ``publish(seed, nbytes, [version, layout, shard, num_shards])`` -> version;
+* ``fetch([version, serve, fetch_timeout, layout, shard, into])`` -> version, digest, sources, ...;
+  ``into={"nbytes": n}`` fetches into new caller-shaped buffers, ``"name": key`` keeps them
+  in the worker, and a later ``into={"name": key}`` fetches into that same memory again;
+* ``unpublish(version, [drain_timeout, refill])`` -> seconds waited; the version's published
+  tensors are zeroed once it returns (the memory is reused), or with ``refill=seed``, the
+  version after is written into that same memory and published from it at once (a
+  double-buffered trainer): -> ``{"waited": s, "version": v}``;
+* ``latest``, ``held``, ``pid``, ``exit``.
 """
 
 from __future__ import annotations
@@ -120,32 +132,40 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
     except Exception as e:
         conn.send(("error", type(e).__name__, str(e)))
         return
-    published: dict[int, dict] = {}
+    published: dict[int, list[tuple[dict, int]]] = {}  # version -> [(tensors, nbytes)], one per layout/shard
+    buffers: dict[str, dict] = {}  # fetch(into={"name": ...}): caller buffers kept between commands
     conn.send(("ready", hub.worker_id))
     while True:
         cmd, kw = conn.recv()
         try:
             if cmd == "publish":
                 w = make_weights(kw["seed"], kw["nbytes"])
-                v = hub.publish(MODEL, w, version=kw.get("version"))
-                published[v] = w
+                where = {k: kw[k] for k in ("layout", "shard", "num_shards") if k in kw}
+                v = hub.publish(MODEL, w, version=kw.get("version"), **where)
+                published.setdefault(v, []).append((w, kw["nbytes"]))
                 conn.send(("ok", v))
             elif cmd == "fetch":
                 into = None
-                if kw.get("into") is not None:
-                    into = make_weights(0, kw["into"]["nbytes"])  # caller-shaped buffers
-                    if kw["into"].get("break"):
+                spec = kw.get("into")
+                if spec is not None and spec.get("name") in buffers:
+                    into = buffers[spec["name"]]  # the same memory as an earlier fetch's
+                elif spec is not None:
+                    into = make_weights(0, spec["nbytes"])  # caller-shaped buffers
+                    if spec.get("break"):
                         import torch
 
                         k = next(iter(into))
-                        if kw["into"]["break"] == "shape":
+                        if spec["break"] == "shape":
                             into[k] = torch.zeros(3, dtype=into[k].dtype)
                         else:
                             into[k] = torch.zeros(into[k].shape, dtype=torch.float64)
+                    if spec.get("name"):
+                        buffers[spec["name"]] = into
+                where = {k: kw[k] for k in ("layout", "shard") if k in kw}
                 t0 = time.monotonic()
                 try:
                     f = hub.fetch(MODEL, kw.get("version"), serve=kw.get("serve", True), into=into,
-                                  timeout=kw.get("fetch_timeout"))
+                                  timeout=kw.get("fetch_timeout"), **where)
                 except Exception as e:
                     e.args = (f"{e} (after {time.monotonic() - t0:.2f}s)",)
                     raise
@@ -156,9 +176,21 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                 t0 = time.monotonic()
                 hub.unpublish(MODEL, kw["version"], timeout=kw.get("drain_timeout"))
                 waited = time.monotonic() - t0
-                for t in published.pop(kw["version"], {}).values():
-                    t.zero_()  # reuse the memory, as a trainer would
-                conn.send(("ok", waited))
+                held = published.pop(kw["version"], [])
+                if kw.get("refill") is None:
+                    for w, _ in held:
+                        for t in w.values():
+                            t.zero_()  # reuse the memory, as a trainer would
+                    conn.send(("ok", waited))
+                    continue
+                # The double-buffered loop: the moment unpublish returns, write the version
+                # after into the same memory and publish it from there.
+                w, nbytes = held[0]
+                for k, t in make_weights(kw["refill"], nbytes).items():
+                    w[k].copy_(t)
+                v = hub.publish(MODEL, w)
+                published.setdefault(v, []).append((w, nbytes))
+                conn.send(("ok", {"waited": waited, "version": v}))
             elif cmd == "corrupt":
                 import torch
 
