@@ -1,17 +1,36 @@
-"""Randomized soak: publish, fetch, unpublish, kill, hang and coordinator restarts.
+"""Randomized soak: publish, fetch, unpublish, kill, hang, coordinator restarts, and faults
+of the control plane only (a holder cut off from the coordinator, a paused coordinator).
 
 Real processes throughout: a coordinator process (SIGKILLed and restarted on its state
-dir), a trainer and readers (each a Hub over real Mooncake, loopback TCP). Every fetch
-is checked tensor by tensor (sha256) against the bytes published for that version:
+dir, or SIGSTOPped), a trainer and readers (each a Hub over real Mooncake over TCP; r2
+reads with ``pipelined=False``, the others pipelined). Where network namespaces work
+(root, iproute2) every process is a host of an emulated cluster (``testbed.py``: own
+namespace, links shaped with tc, the coordinator in the core namespace); elsewhere all run
+on loopback and the two control-plane kinds are skipped (said in the output).
 
-* torn   -- some tensor matches no published version's bytes,
-* mixed  -- every tensor matches some version, but not all the same one (or not the one asked),
-* lost   -- a version whose publish returned is later unknown, or a number handed out twice,
-* late   -- a fetch that failed after its deadline (plus slack), or without a clear error.
+Faults, each during a read (the reader holds a lease):
 
-All four must be 0. Prints the counts of every action and outcome; exits 1 otherwise.
+* kill / hang -- SIGKILL or SIGSTOP another worker; coordinator -- SIGKILL it and restart it;
+* cut -- the trainer, the only holder of a version being read over its slowed uplink, loses
+  its route to the coordinator (a blackhole route in its namespace; half the time its open
+  connections are reset too) for longer than ``worker_ttl``: it is expired, heals and
+  re-registers by itself, then does a double-buffered step: publishes the next version and
+  unpublishes the one being read, writing the version after into that memory at once;
+* pause -- the coordinator is SIGSTOPped for longer than ``worker_ttl`` during such a read,
+  then resumed (no live worker may be expired at resume), then the same double-buffered step.
 
-    python benchmarks/soak.py --trials 200 [--seed 1] [--mib 16] [--json out/soak.json]
+Every fetch is checked tensor by tensor (sha256) against the bytes published for that version:
+
+* torn    -- some tensor matches no published version's bytes,
+* mixed   -- every tensor matches some version, but not all the same one (or not the one asked),
+* lost    -- a version whose publish returned is later unknown, or a number handed out twice,
+* late    -- a fetch that failed after its deadline (plus slack), or without a clear error,
+* expired -- live workers expired by a coordinator that resumed from a pause.
+
+All must be 0. Prints the counts of every action and, per fault kind, of every outcome;
+exits 1 otherwise.
+
+    python benchmarks/soak.py --trials 300 [--seed 1] [--mib 16] [--weight cut=4] [--json out/soak.json]
 """
 
 from __future__ import annotations
@@ -25,43 +44,89 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 os.environ.setdefault("GLOG_minloglevel", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 #: Errors a user may see from a fetch/unpublish under faults; anything else is a defect.
 CLEAR_ERRORS = {"FetchError", "NotFoundError", "HubTimeoutError", "ConflictError", "RetentionError",
                 "CoordinatorUnavailableError", "LeaseLapsedError", "TransferError"}
 FETCH_TIMEOUT = 12.0
+#: The reads of the control-plane kinds: slowed to ~READ_SECONDS, and they span the fault.
+CP_FETCH_TIMEOUT = 30.0
+READ_SECONDS = 8.0
 SLACK = 8.0  # release/retry after the deadline, process scheduling on 2 cores
+WORKER_TTL, LEASE_TTL = 2.0, 5.0
+KINDS = ("none", "kill", "hang", "coordinator", "cut", "pause")
+OUTCOMES = ("ok", "clear", "torn", "mixed", "late", "lost", "not fired")
 
 
-def run(trials: int, seed: int = 1, mib: int = 16, log=print) -> dict:
+#: How often each action is drawn (``--weight NAME=W`` changes one; 0 leaves it out).
+DEFAULT_WEIGHTS = {"publish": 3, "fetch": 6, "kill": 2, "hang": 2, "coordinator": 1, "unpublish": 3,
+                   "kill-idle": 1, "hang-idle": 1, "restart": 1, "cut": 1, "pause": 1}
+
+
+def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bool] = None,
+        weights: Optional[dict[str, float]] = None) -> dict:
+    import testbed
+
     from tensorhub.testing import CoordinatorProcess, Faults, Worker, WorkerError, digest, make_weights
 
     rng = random.Random(seed)
     counts: Counter = Counter()
-    bad: list[str] = []
+    by_kind: dict[str, Counter] = defaultdict(Counter)
+    bad: list[tuple[str, str, str]] = []  # (problem, fault kind, what)
+    clear: list[str] = []  # the clear errors seen, for the record
     size = mib << 20
     expected: dict[int, dict] = {}  # version -> tensor digests
     by_digest: dict[str, int] = {}  # tensor digest -> version
     issued: list[int] = []
-    opts = dict(progress_timeout=2.0, heartbeat_interval=0.5)
+    issued_during: dict[int, str] = {}  # version -> the fault kind under way when it was published
+    names = ["trainer", "r0", "r1", "r2"]
+    opts = dict(progress_timeout=2.0, heartbeat_interval=0.5, chunk_bytes=1 << 20)
+    per_worker = {"r2": dict(pipelined=False)}
+    if netns is None:
+        netns, why = testbed.available()
+    else:
+        why = "" if netns else "--no-netns"
+    if not netns:
+        log(f"soak on loopback: the control-plane kinds (cut, pause) are skipped ({why})")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        coord = CoordinatorProcess(Path(tmp) / "state", extra=("--worker-ttl", "3", "--lease-ttl", "6"))
+    def problem(what: str, kind: str, msg: str) -> None:
+        bad.append((what, kind, msg))
+        by_kind[kind][what] += 1
+
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        if netns:
+            tb = stack.enter_context(testbed.Testbed({"a": len(names)}, host_rate="1gbit",
+                                                     tag=f"sk{os.getpid() % 100000}"))
+            hosts = {n: f"a{i}" for i, n in enumerate(names)}
+            coord = CoordinatorProcess(Path(tmp) / "state", netns=tb.core, host=tb.coordinator_ip,
+                                       extra=("--worker-ttl", str(WORKER_TTL), "--lease-ttl", str(LEASE_TTL)))
+        else:
+            tb = None
+            coord = CoordinatorProcess(Path(tmp) / "state",
+                                       extra=("--worker-ttl", str(WORKER_TTL), "--lease-ttl", str(LEASE_TTL)))
         coord.start()
-        faults = Faults(coord.url, seed=seed)
-        names = ["trainer", "r0", "r1", "r2"]
+        faults = Faults(coord.url, seed=seed, netns=tb.core if tb else None)
         gen = Counter()
         workers: dict[str, Worker] = {}
         hung_until: dict[str, float] = {}
 
+        def ns(name: str) -> str:
+            return tb.hosts[hosts[name]]["ns"]
+
         def spawn(name: str) -> None:
             gen[name] += 1
-            workers[name] = Worker(coord.url, f"{name}.{gen[name]}", **opts)
+            where = {}
+            if tb is not None:
+                h = tb.hosts[hosts[name]]
+                where = dict(netns=h["ns"], data_host=h["ip"], locality=f"dc=a,zone=z,host={hosts[name]}")
+            workers[name] = Worker(coord.url, f"{name}.{gen[name]}", **opts, **per_worker.get(name, {}), **where)
 
         def ready(name: str) -> bool:
             return time.monotonic() >= hung_until.get(name, 0.0)
@@ -73,28 +138,51 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print) -> dict:
                     spawn(n)
                     counts["respawn"] += 1
 
-        def publish() -> None:
-            if not ready("trainer"):
-                return
-            s = rng.randrange(1 << 30)
-            v = workers["trainer"].call("publish", timeout=60, seed=s, nbytes=size)
+        def record(v: int, s: int, kind: str) -> None:
             if issued and v <= max(issued):
-                bad.append(f"lost: version {v} handed out again (had {max(issued)})")
+                problem("lost", kind, f"version {v} handed out again (had {max(issued)})")
             issued.append(v)
+            issued_during[v] = kind
             expected[v] = digest(make_weights(s, size))
             for d in expected[v].values():
                 by_digest[d] = v
-            counts["publish"] += 1
 
-        def check(got: dict, asked: Optional[int]) -> None:
+        def publish(kind: str = "none") -> Optional[int]:
+            if not ready("trainer"):
+                return None
+            s = rng.randrange(1 << 30)
+            v = workers["trainer"].call("publish", timeout=60, seed=s, nbytes=size)
+            record(v, s, kind)
+            counts["publish"] += 1
+            return v
+
+        def check(got: dict, asked: Optional[int], kind: str) -> None:
             v = got["version"]
             seen = {by_digest.get(d) for d in got["digest"].values()}
             if None in seen:
-                bad.append(f"torn: fetch of v{v} returned bytes of no published version")
+                problem("torn", kind, f"fetch of v{v} returned bytes of no published version")
             elif seen != {v} or (asked is not None and asked != v):
-                bad.append(f"mixed: fetch of v{asked or v} returned tensors of versions {sorted(seen)}")
+                problem("mixed", kind, f"fetch of v{asked or v} returned tensors of versions {sorted(seen)}")
             else:
                 counts["fetch ok"] += 1
+                by_kind[kind]["ok"] += 1
+
+        def failed(e: WorkerError, took: float, timeout: float, kind: str, what: str = "fetch") -> None:
+            if e.kind not in CLEAR_ERRORS:
+                problem("late", kind, f"{what}: unclear error {e.kind}: {e.message.splitlines()[0]}")
+            elif took > timeout + SLACK:
+                problem("late", kind, f"{what} failed after {took:.1f}s: {e.message.splitlines()[0]}")
+            else:
+                counts[f"{what} failed clearly: {e.kind}"] += 1
+                if what == "fetch":
+                    by_kind[kind]["clear"] += 1
+                clear.append(f"[{kind}] {what} after {took:.1f}s: {e.kind}: {e.message.splitlines()[0][:300]}")
+
+        def stuck(name: str, what: str, kind: str, waited: float) -> None:
+            problem("late", kind, f"{what} by {name} did not answer within {waited:.0f}s")
+            os.kill(workers[name].pid, signal.SIGUSR1)  # its stacks go to stderr, for the diagnosis
+            time.sleep(0.5)
+            workers[name].kill()  # its pipe is out of step now: replace it
 
         def fetch(fault: Optional[str] = None) -> None:
             readers = [n for n in names[1:] if ready(n)]
@@ -104,6 +192,7 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print) -> dict:
             w = workers[name]
             asked = rng.choice([None, None, rng.choice(issued[-4:])])
             trig = None
+            kind = "none"
             if fault:
                 pool = [n for n in names if n != name and ready(n)]
                 victim = rng.choice(pool) if pool else None
@@ -117,8 +206,10 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print) -> dict:
                 else:
                     fault = None
                 if fault:
+                    kind = fault
                     trig = faults.during_read(w.worker_id, action, after="random", max_after=0.3, timeout=10)
                     counts[f"fault during fetch: {fault}"] += 1
+            by_kind[kind]["fetches"] += 1
             t0 = time.monotonic()
             w.send("fetch", version=asked, fetch_timeout=FETCH_TIMEOUT, serve=rng.random() < 0.5)
             try:
@@ -128,28 +219,113 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print) -> dict:
                         time.sleep(rng.uniform(0.1, 1.5))
                         coord.start()
                 got = w.result(timeout=FETCH_TIMEOUT + SLACK + 30)
-                check(got, asked)
+                check(got, asked, kind)
             except WorkerError as e:
-                took = time.monotonic() - t0
-                if e.kind not in CLEAR_ERRORS:
-                    bad.append(f"late: unclear error {e.kind}: {e.message.splitlines()[0]}")
-                elif took > FETCH_TIMEOUT + SLACK:
-                    bad.append(f"late: fetch failed after {took:.1f}s: {e.message.splitlines()[0]}")
-                else:
-                    counts[f"fetch failed clearly: {e.kind}"] += 1
+                failed(e, time.monotonic() - t0, FETCH_TIMEOUT, kind)
             except TimeoutError:
-                bad.append(f"late: fetch by {name} did not answer within {FETCH_TIMEOUT + SLACK + 30}s")
-                os.kill(w.pid, signal.SIGUSR1)  # its stacks go to stderr, for the diagnosis
-                time.sleep(0.5)
-                w.kill()  # its pipe is out of step now: replace it
+                stuck(name, "fetch", kind, FETCH_TIMEOUT + SLACK + 30)
             finally:
                 if trig is not None and trig.cancel():
                     counts[f"fault not fired (read too short): {fault}"] += 1
+                    by_kind[kind]["not fired"] += 1
                 if fault == "coordinator" and coord.proc.poll() is not None:
                     coord.start()
                 if fault == "hang" and victim:
                     faults.resume(workers[victim].pid)
                     hung_until[victim] = 0.0
+
+        def registered() -> set[str]:
+            return {x["worker_id"] for x in faults.status()["workers"]}
+
+        def wait_until(pred, timeout: float) -> bool:
+            end = time.monotonic() + timeout
+            while time.monotonic() < end:
+                try:
+                    if pred():
+                        return True
+                except Exception:  # the coordinator may be busy or restarting
+                    pass
+                time.sleep(0.05)
+            return False
+
+        def control_fault(kind: str) -> None:
+            """A read of a version only the trainer holds, over its slowed uplink; the fault
+            (cut or pause) while it runs; then the trainer's double-buffered step."""
+            readers = [n for n in names[1:] if ready(n)]
+            if tb is None or not readers or not ready("trainer"):
+                return
+            try:
+                v = publish(kind)
+            except WorkerError as e:
+                failed(e, 0.0, 60, kind, "publish")
+                return
+            trainer, name = workers["trainer"], rng.choice(readers)
+            w = workers[name]
+            by_kind[kind]["fetches"] += 1
+            rate = f"{max(4, int(size * 8 / 1e6 / READ_SECONDS))}mbit"
+            faults.slow(ns("trainer"), "eth0", rate)
+            answers: dict[str, Any] = {}
+            try:
+                t0 = time.monotonic()
+                w.send("fetch", version=v, fetch_timeout=CP_FETCH_TIMEOUT, serve=rng.random() < 0.5)
+                if not wait_until(lambda: Faults._reading(faults.status(), w.worker_id, trainer.worker_id), 10):
+                    counts[f"fault not fired (read too short): {kind}"] += 1
+                    by_kind[kind]["not fired"] += 1
+                else:
+                    counts[f"fault during fetch: {kind}"] += 1
+                    hold = WORKER_TTL * rng.uniform(1.3, 2.0)
+                    if kind == "cut":
+                        reset = rng.random() < 0.5
+                        faults.cut(ns("trainer"), tb.coordinator_ip, reset=reset)
+                        time.sleep(hold)
+                        if trainer.worker_id not in registered():
+                            counts["cut: holder expired"] += 1
+                        faults.heal(ns("trainer"), tb.coordinator_ip)
+                        if not wait_until(lambda: trainer.worker_id in registered(), 20):
+                            problem("late", kind, f"{trainer.worker_id} did not re-register within 20s of healing")
+                    else:
+                        before = registered()
+                        faults.hang(coord.pid)
+                        time.sleep(hold)
+                        faults.resume(coord.pid)
+                        gone = before - registered()
+                        if gone:
+                            problem("expired", kind, f"the coordinator resumed after {hold:.1f}s and expired live "
+                                                     f"workers {sorted(gone)}")
+                    # the double-buffered step, while the reader may still be reading v
+                    if not w.conn.poll():
+                        counts[f"{kind}: unpublished mid-read"] += 1
+                    s2, s3 = rng.randrange(1 << 30), rng.randrange(1 << 30)
+                    try:
+                        v2 = trainer.call("publish", timeout=60, seed=s2, nbytes=size)
+                        record(v2, s2, kind)
+                        trainer.send("unpublish", version=v, refill=s3, drain_timeout=CP_FETCH_TIMEOUT + LEASE_TTL)
+                        answers["trainer"] = None
+                    except WorkerError as e:
+                        failed(e, 0.0, 60, kind, "publish")
+                got = w.result(timeout=CP_FETCH_TIMEOUT + SLACK + 30)
+                check(got, v, kind)
+            except WorkerError as e:
+                failed(e, time.monotonic() - t0, CP_FETCH_TIMEOUT, kind)
+            except TimeoutError:
+                stuck(name, "fetch", kind, CP_FETCH_TIMEOUT + SLACK + 30)
+            finally:
+                faults.heal_all()
+                faults.resume(coord.pid)
+                if "trainer" in answers:
+                    t1 = time.monotonic()
+                    try:
+                        r = trainer.result(timeout=CP_FETCH_TIMEOUT + LEASE_TTL + SLACK + 30)
+                        record(r["version"], s3, kind)
+                        counts["unpublish ok"] += 1
+                    except WorkerError as e:
+                        if e.kind in CLEAR_ERRORS:
+                            counts[f"unpublish refused: {e.kind}"] += 1
+                        else:
+                            problem("late", kind, f"unpublish: unclear error {e.kind}")
+                    except TimeoutError:
+                        stuck("trainer", "unpublish", kind, time.monotonic() - t1)
+                faults.slow(ns("trainer"), "eth0", tb.host_rate)  # back to the testbed's link
 
         def unpublish() -> None:
             cands = [n for n in names if ready(n)]
@@ -157,7 +333,7 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print) -> dict:
             try:
                 held = workers[name].call("held", timeout=30)
             except TimeoutError:
-                bad.append(f"late: {name} did not answer 'held' within 30s")
+                problem("late", "none", f"{name} did not answer 'held' within 30s")
                 workers[name].kill()
                 return
             if not held:
@@ -170,7 +346,7 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print) -> dict:
                 if e.kind in CLEAR_ERRORS:
                     counts[f"unpublish refused: {e.kind}"] += 1
                 else:
-                    bad.append(f"unpublish: unclear error {e.kind}")
+                    problem("late", "none", f"unpublish: unclear error {e.kind}")
 
         def kill() -> None:
             name = rng.choice(names)
@@ -203,38 +379,47 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print) -> dict:
         for n in names:
             spawn(n)
         publish()
-        actions = [(publish, 3), (lambda: fetch(), 6), (lambda: fetch("kill"), 2), (lambda: fetch("hang"), 2),
-                   (lambda: fetch("coordinator"), 1), (unpublish, 3), (kill, 1), (hang, 1), (restart, 1)]
-        fns, weights = zip(*[(guarded(f), wt) for f, wt in actions])
+        actions = {"publish": publish, "fetch": lambda: fetch(), "kill": lambda: fetch("kill"),
+                   "hang": lambda: fetch("hang"), "coordinator": lambda: fetch("coordinator"),
+                   "unpublish": unpublish, "kill-idle": kill, "hang-idle": hang, "restart": restart,
+                   "cut": lambda: control_fault("cut"), "pause": lambda: control_fault("pause")}
+        w8 = dict(DEFAULT_WEIGHTS, **(weights or {}))
+        if tb is None:
+            w8["cut"] = w8["pause"] = 0
+        unknown = set(w8) - set(actions)
+        if unknown:
+            raise ValueError(f"unknown soak actions {sorted(unknown)}; known: {sorted(actions)}")
+        fns, wts = zip(*[(guarded(actions[a]), wt) for a, wt in w8.items() if wt > 0])
         t_start = time.monotonic()
         try:
             for i in range(trials):
                 respawn_dead()
-                rng.choices(fns, weights)[0]()
+                rng.choices(fns, wts)[0]()
                 counts["trials"] += 1
                 if (i + 1) % 20 == 0:
                     log(f"  {i + 1}/{trials} trials, {time.monotonic() - t_start:.0f}s, problems so far: {len(bad)}")
             # every version whose publish returned is still known, numbers never reused
             time.sleep(0.5)
-            import httpx
-
-            st = httpx.get(f"{coord.url}/v1/status", timeout=10).json()
+            st = faults.status()
             known = {v["version"] for m in st["models"] for v in m["versions"]}
             for v in issued:
                 if v not in known:
-                    bad.append(f"lost: v{v} is unknown to the coordinator")
+                    problem("lost", issued_during.get(v, "none"), f"v{v} is unknown to the coordinator")
             if len(set(issued)) != len(issued):
-                bad.append("lost: a version number was handed out twice")
+                problem("lost", "none", "a version number was handed out twice")
         finally:
             faults.resume_all()
+            faults.heal_all()
             for w in workers.values():
                 w.kill()
             coord.stop()
 
-    kinds = Counter(b.split(":", 1)[0] for b in bad)
+    kinds = Counter(what for what, _, _ in bad)
     return {"trials": trials, "seed": seed, "seconds": time.monotonic() - t_start, "counts": dict(counts),
-            "torn": kinds["torn"], "mixed": kinds["mixed"], "lost": kinds["lost"],
-            "late": kinds["late"] + kinds["unpublish"], "problems": bad, "versions": len(issued)}
+            "netns": bool(tb), "by_kind": {k: dict(by_kind[k]) for k in KINDS if k in by_kind},
+            "torn": kinds["torn"], "mixed": kinds["mixed"], "lost": kinds["lost"], "late": kinds["late"],
+            "expired": kinds["expired"], "problems": [f"{what} [{kind}]: {msg}" for what, kind, msg in bad],
+            "versions": len(issued), "clear_errors": clear}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -242,13 +427,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--trials", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--mib", type=int, default=16, help="version size")
+    ap.add_argument("--no-netns", action="store_true", help="run on loopback (no cut/pause kinds)")
+    ap.add_argument("--weight", action="append", default=[], metavar="ACTION=W",
+                    help=f"how often an action is drawn (defaults: {DEFAULT_WEIGHTS}); 0 leaves it out")
     ap.add_argument("--json", default="out/soak.json")
     args = ap.parse_args(argv)
-    r = run(args.trials, args.seed, args.mib)
-    print(f"soak: {r['trials']} trials, {r['versions']} versions, {r['seconds']:.0f}s (seed {r['seed']})")
+    weights = {}
+    for item in args.weight:
+        name, _, w = item.partition("=")
+        weights[name.strip()] = float(w)
+    r = run(args.trials, args.seed, args.mib, netns=False if args.no_netns else None, weights=weights)
+    print(f"soak: {r['trials']} trials, {r['versions']} versions, {r['seconds']:.0f}s (seed {r['seed']}, "
+          f"{'network namespaces' if r['netns'] else 'loopback'})")
     for k, n in sorted(r["counts"].items()):
         print(f"  {k:<45}{n:>6}")
-    print(f"torn {r['torn']}  mixed {r['mixed']}  lost {r['lost']}  late/unclear {r['late']}")
+    print("fetches by fault kind:")
+    print(f"  {'kind':<12}" + "".join(f"{o:>10}" for o in ("fetches",) + OUTCOMES))
+    for kind, c in r["by_kind"].items():
+        print(f"  {kind:<12}" + "".join(f"{c.get(o, 0):>10}" for o in ("fetches",) + OUTCOMES))
+    print(f"torn {r['torn']}  mixed {r['mixed']}  lost {r['lost']}  late/unclear {r['late']}  "
+          f"expired at resume {r['expired']}")
     for p in r["problems"][:20]:
         print(f"  PROBLEM {p}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
