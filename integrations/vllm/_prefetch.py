@@ -12,7 +12,7 @@ Only the newest prefetched version is kept: when a newer one lands first, the ol
 is retired like a swapped-out one (unpublished once its readers drained, then kept as the
 spare). Memory: one more model-size copy (the prefetched version) between a publish and
 the swap to it. Each rank prefetches on its own; a rank whose prefetched version differs
-from the one the group swaps to fetches it as usual.
+from the one the engine swaps to (the root's answer, for every stage) fetches it as usual.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional
 
+from .._ranks import EngineRanks
 from ._settings import Settings, SettingsError
 
 logger = logging.getLogger(__name__)
@@ -75,31 +76,31 @@ def _pp_size() -> int:
         return 1
 
 
+def engine() -> EngineRanks:
+    """This worker's engine: its pipeline stages x TP ranks (x prefill-context-parallel
+    ranks, which hold the same weights as their TP peers); a lone process outside vLLM."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        axes = [("pp", ps.get_pp_group())]
+        pcp = getattr(ps, "_PCP", None)  # vLLM's prefill context parallelism, when it has any
+        if pcp is not None:
+            axes.append(("pcp", pcp))
+        axes.append(("tp", ps.get_tp_group()))
+    except Exception:  # not initialised (unit use)
+        return EngineRanks()
+    return EngineRanks(axes)
+
+
 def broadcast(obj: Any) -> Any:
-    """TP rank 0's ``obj`` on every TP rank (the same version for the whole group)."""
-    try:
-        from vllm.distributed import parallel_state as ps
-
-        g = ps.get_tp_group()
-    except Exception:
-        return obj
-    return g.broadcast_object(obj, src=0) if g.world_size > 1 else obj
+    """The engine root's ``obj`` (PP stage 0, TP rank 0) on every rank of every stage."""
+    return engine().broadcast(obj)
 
 
-def gather(obj: Any) -> list:
-    """Every TP rank's ``obj``, in rank order (``[obj]`` alone)."""
-    try:
-        import torch.distributed as dist
-        from vllm.distributed import parallel_state as ps
-
-        g = ps.get_tp_group()
-    except Exception:
-        return [obj]
-    if g.world_size == 1:
-        return [obj]
-    out: list = [None] * g.world_size
-    dist.all_gather_object(out, obj, group=g.cpu_group)
-    return out
+def gather(obj: Any) -> list[tuple[str, Any]]:
+    """Every rank's ``obj`` with its place (``"pp stage 1, tp rank 0"``; ``""`` alone), over
+    the whole engine, the same list on every rank."""
+    return engine().gather(obj)
 
 
 def _probe(settings: Settings) -> None:
@@ -173,16 +174,19 @@ def connect(settings: Settings) -> WorkerState:
 
 def resolve(st: WorkerState, requested: Any, *, on_missing: str = "error",
             what: str = "setting 'version'") -> Optional[int]:
-    """The version every rank of the TP group loads; None means "no version, load from disk".
+    """The version every rank of the engine loads, every TP rank of every pipeline stage;
+    None means "no version, load from disk".
 
-    Rank 0 decides, the others receive its answer (or its error text)."""
+    The engine's root (PP stage 0, TP rank 0) decides, the others receive its answer (or
+    its error text): a version published meanwhile cannot split the stages."""
+    eng = engine()
     answer: Any = None
-    if st.rank == 0:
+    if eng.root:
         try:
             answer = _resolve_here(st, requested, on_missing, what)
         except Exception as e:  # hand the one-line error to every rank
             answer = ("error", str(e))
-    answer = broadcast(answer)
+    answer = eng.broadcast(answer)
     if isinstance(answer, tuple):
         raise SettingsError(answer[1])
     return answer

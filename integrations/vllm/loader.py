@@ -3,7 +3,8 @@
 Runs in every vLLM worker process (one per TP/PP rank), inside vLLM's ``get_model``:
 
 1. ``load_weights`` (before ``process_weights_after_loading``): connect to the coordinator,
-   resolve the version (TP rank 0 decides, the group follows), fetch it in the ``hf``
+   resolve the version (the engine's root, PP stage 0's TP rank 0, decides; every rank of
+   every stage loads that number), fetch it in the ``hf``
    layout and stream it through ``model.load_weights`` in buckets of at most
    ``bucket_bytes``, cut at layer boundaries. A rank that serves no copy
    (``serve_ranks="first"``, TP rank > 0) reads bucket by bucket into one reused buffer
@@ -14,7 +15,8 @@ Runs in every vLLM worker process (one per TP/PP rank), inside vLLM's ``get_mode
    ``wait`` waits for one, ``error`` stops the start with one line naming the setting.
 2. ``load_model`` (after ``process_weights_after_loading``): the serving rank(s) register
    the ``hf`` copy with the coordinator (a fetched copy is already registered by the fetch;
-   a disk copy is published as a new version, which the other ranks then learn).
+   a disk copy is published once, by the engine's root, as a new version, which the other
+   ranks then learn).
 
 With ``native`` (default on), every rank also registers its processed parameters in place
 as the engine-native layout, and a start whose fingerprint matches a complete native
@@ -121,13 +123,20 @@ def make_loader_class() -> type:
                             self.settings.model, st.version, n / 1e6)
             if self._pending_disk is not None:  # publish what we read from disk, as a new version
                 tensors, self._pending_disk = self._pending_disk, None
-                v = None
-                if st.rank == 0:
-                    v = st.hub.publish(self.settings.model, tensors, layout="hf")
-                    logger.info("tensorhub: published the weight files of %s as %s v%d",
-                                model_config.model, self.settings.model, v)
-                v = _runtime.broadcast(v)
-                if st.rank != 0 and st.serving:
+                eng = _runtime.engine()
+                v: Any = None
+                if eng.root:  # one new version for the whole engine, every stage
+                    try:
+                        v = st.hub.publish(self.settings.model, tensors, layout="hf")
+                        logger.info("tensorhub: published the weight files of %s as %s v%d",
+                                    model_config.model, self.settings.model, v)
+                    except Exception as e:  # the other ranks wait in the broadcast: hand them the error
+                        v = ("error", f"tensorhub: publishing the weight files of {model_config.model} "
+                                      f"failed: {e}")
+                v = eng.broadcast(v)
+                if isinstance(v, tuple):
+                    raise RuntimeError(v[1])
+                if not eng.root and st.serving:
                     st.hub.publish(self.settings.model, tensors, version=v, layout="hf")
                 st.version, st.specs = v, _runtime.specs_of(tensors)
                 st.copy = tensors if st.serving else None
@@ -136,7 +145,8 @@ def make_loader_class() -> type:
                 from ._prefetch import Prefetcher
 
                 st.prefetcher = Prefetcher(st).start()
-            logger.info("tensorhub: engine worker (tp rank %d) runs %s v%s%s%s", st.rank, self.settings.model,
+            logger.info("tensorhub: engine worker (tp rank %d%s) runs %s v%s%s%s", st.rank,
+                        f", pp stage {st.pp_rank}" if st.pp_size > 1 else "", self.settings.model,
                         st.version, " and serves its hf copy" if st.copy is not None else "",
                         f" and its parameters as layout {st.layout}" if st.native else "")
             return model

@@ -9,16 +9,18 @@ this engine:
   loader's connection).
 * ``start_weight_update()``: nothing to prepare (the fetch happens before anything in
   the model changes).
-* ``update_weights({"update_info": {"version": N}})`` (``N`` or ``"latest"``; every TP
-  rank uses rank 0's answer): fetch N in the ``hf`` layout into new memory; check names,
-  shapes, dtypes against the running version; only then apply it with vLLM's layerwise
-  reload (``model.load_weights`` in buckets). A failed fetch raises and leaves the old
-  weights serving. The serving rank(s) are replicas of N from the fetch on; afterwards
+* ``update_weights({"update_info": {"version": N}})`` (``N`` or ``"latest"``; every rank
+  of the engine, each TP rank of each pipeline stage, uses the answer of PP stage 0's TP
+  rank 0): fetch N in the ``hf`` layout into new memory; check names, shapes, dtypes
+  against the running version; only then apply it with vLLM's layerwise reload
+  (``model.load_weights`` in buckets). Every rank of the engine applies N, or none does:
+  a failed fetch on any rank of any stage raises on all of them and leaves the old
+  weights serving everywhere. The serving rank(s) are replicas of N from the fetch on; afterwards
   they unpublish the old version (waiting for its readers) and free it.
 * ``finish_weight_update(weight_version="N")``: nothing left to do here; vLLM records the
   version that ``/weight_info`` reports.
 
-Metrics: TP rank 0 reports each swap to the coordinator (``Hub.report_swap``): the stall
+Metrics: the engine's root (PP stage 0, TP rank 0) reports each swap to the coordinator (``Hub.report_swap``): the stall
 is ``start_weight_update`` to ``finish_weight_update`` (the engine is paused throughout;
 without a ``start`` call, the ``update_weights`` call alone), with its fetch and apply
 parts; it lands in the coordinator's ``tensorhub_swap_stall_seconds`` and this process's
@@ -97,8 +99,9 @@ class _Mixin:
 
     def _report_swap(self, st: "_runtime.WorkerState", version: Any, t0: float, ok: bool,
                      parts: Optional[tuple[int, float, float]] = None) -> None:
-        """Rank 0 tells the coordinator (and this process's metrics) how long serving stalled."""
-        if st.rank != 0 or not isinstance(version, int):
+        """The engine's root tells the coordinator (and this process's metrics) how long
+        serving stalled: one report per swap, whatever the TP x PP."""
+        if st.rank != 0 or st.pp_rank != 0 or not isinstance(version, int):
             return
         try:
             st.hub.report_swap(st.settings.model, version, time.monotonic() - t0, ok=ok,
@@ -132,16 +135,17 @@ class _Mixin:
                 _native.withdraw(st)
         except Exception as e:
             err = str(e).removeprefix("tensorhub: ")
-        # Every rank of the TP group applies the new version, or none does.
-        errors = [(r, e) for r, e in enumerate(_runtime.gather(err)) if e is not None]
+        # Every rank of the engine (each TP rank of each pipeline stage) applies the new
+        # version, or none does. Nothing above raises past the try: every rank gets here.
+        errors = [(where, e) for where, e in _runtime.gather(err) if e is not None]
         if errors:
             if got is not None and st.serving:
                 self._retire(st, v, got, reason="another rank failed")
             _native.publish(st, self.model)  # type: ignore[attr-defined]  # the unchanged parameters again
             self._report_swap(st, requested, getattr(self, "_swap_t0", None) or t0, ok=False)
             self._swap_t0 = None  # vLLM ends the session: no finish_weight_update follows
-            rank, why = errors[0]
-            where = f" (tp rank {rank})" if st.tp_size > 1 else ""
+            where, why = errors[0]
+            where = f" ({where})" if where else ""
             raise RuntimeError(f"tensorhub: could not fetch {s.model!r} v{requested}{where}: {why}; "
                                f"the engine keeps serving v{old_v}")
         if got is None:
