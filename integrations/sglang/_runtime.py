@@ -32,6 +32,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from integrations.vllm._runtime import _resolve_here, check_same_layout, open_hub, specs_of
 
+from .._ranks import EngineRanks
 from ._settings import Settings, SettingsError
 
 logger = logging.getLogger(__name__)
@@ -76,32 +77,37 @@ def ranks() -> tuple[int, int, int, int]:
         return 0, 1, 0, 1
 
 
-def _tp_group() -> Any:
+def _groups() -> tuple[Any, Any]:
+    """(PP group, TP group) of this worker; (None, None) outside an SGLang worker."""
     try:
         from sglang.srt.distributed import parallel_state as ps
 
-        g = ps.get_tp_group()
-        return g if g.world_size > 1 else None
-    except Exception:
-        return None
+        return ps.get_pp_group(), ps.get_tp_group()
+    except Exception:  # parallel state not initialised (unit use)
+        return None, None
+
+
+def engine() -> EngineRanks:
+    """This worker's engine: every pipeline stage x TP rank (a lone process outside SGLang)."""
+    pp, tp = _groups()
+    return EngineRanks([("pp", pp), ("tp", tp)])
+
+
+def stage() -> EngineRanks:
+    """This worker's pipeline stage: its TP group only (for what differs per stage, such as
+    the native layout, whose name includes the stage)."""
+    return EngineRanks([("tp", _groups()[1])])
 
 
 def broadcast(obj: Any) -> Any:
-    """TP rank 0's ``obj`` on every TP rank (the same version for the whole group)."""
-    g = _tp_group()
-    return obj if g is None else g.broadcast_object(obj, src=0)
+    """The engine root's ``obj`` (PP stage 0, TP rank 0) on every rank of every stage."""
+    return engine().broadcast(obj)
 
 
-def gather(obj: Any) -> list:
-    """Every TP rank's ``obj``, in rank order (``[obj]`` alone)."""
-    g = _tp_group()
-    if g is None:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list = [None] * g.world_size
-    dist.all_gather_object(out, obj, group=g.cpu_group)
-    return out
+def gather(obj: Any) -> list[tuple[str, Any]]:
+    """Every rank's ``obj`` with its place (``"pp stage 1, tp rank 0"``; ``""`` alone), over
+    the whole engine, the same list on every rank."""
+    return engine().gather(obj)
 
 
 def connect(settings: Settings) -> WorkerState:
@@ -122,15 +128,17 @@ def connect(settings: Settings) -> WorkerState:
 
 def resolve(st: WorkerState, requested: Any, *, on_missing: str = "error",
             what: str = "setting 'version'") -> Optional[int]:
-    """The version every rank of the TP group loads; None = "load from disk". Rank 0
-    decides, the others receive its answer (or its one-line error)."""
+    """The version every rank of the engine loads, every TP rank of every pipeline stage;
+    None = "load from disk". The engine's root (PP stage 0, TP rank 0) decides, the others
+    receive its answer (or its one-line error)."""
+    eng = engine()
     answer: Any = None
-    if st.rank == 0:
+    if eng.root:
         try:
             answer = _resolve_here(st, requested, on_missing, what)
         except Exception as e:
             answer = ("error", str(e))
-    answer = broadcast(answer)
+    answer = eng.broadcast(answer)
     if isinstance(answer, tuple):
         raise SettingsError(answer[1])
     return answer
@@ -191,9 +199,10 @@ def publish_native(st: WorkerState, model: Any, version: int) -> None:
 
 
 def choose_layout(st: WorkerState, version: int) -> str:
-    """The layout the TP group reads ``version`` in (rank 0 asks, the group follows): the
-    native one when the coordinator has it complete, else ``hf``. Never raises: a status
-    that cannot be read means ``hf``."""
+    """The layout this pipeline stage's TP group reads ``version`` in (its TP rank 0 asks,
+    the group follows; each stage has its own native layout): the native one when the
+    coordinator has it complete, else ``hf``. Never raises: a status that cannot be read
+    means ``hf``."""
     if not st.settings.native or st.layout is None:
         return "hf"
     try:

@@ -4,7 +4,8 @@ Runs in every SGLang TP worker (scheduler process), inside ``ModelRunner``'s
 ``get_model_loader(load_config).load_model(...)``:
 
 1. build the model SGLang's way (``_initialize_model`` under the config's dtype and
-   device), connect to the coordinator and resolve the version (TP rank 0 decides);
+   device), connect to the coordinator and resolve the version (the engine's root, PP
+   stage 0's TP rank 0, decides; every rank of every stage loads that number);
 2. fetch it: this rank's native shard when the version is complete in this engine's
    native layout (raw parameter bytes, copied in place), else the ``hf`` layout fed to
    ``model.load_weights`` in buckets; then SGLang's post-processing, as its default
@@ -13,7 +14,7 @@ Runs in every SGLang TP worker (scheduler process), inside ``ModelRunner``'s
    stops the start with one line naming the setting;
 3. register: every rank its parameters in place (native layout), the serving rank(s)
    the ``hf`` copy (a fetched copy is registered by the fetch, a disk copy is published
-   as a new version that the other ranks then learn).
+   once, by the engine's root, as a new version that the other ranks then learn).
 """
 
 from __future__ import annotations
@@ -104,12 +105,18 @@ def make_loader_class() -> type:
             tensors = read_disk(model_dir)
             _runtime.load_into(model, tensors, s.bucket_bytes)
             DefaultModelLoader.postprocess_weights(model, target)
-            v = None
-            if st.rank == 0:
-                v = st.hub.publish(s.model, tensors, layout="hf")
-                logger.info("tensorhub: published the weight files of %s as %s v%d", model_dir, s.model, v)
-            v = _runtime.broadcast(v)
-            if st.rank != 0 and st.serving:
+            eng = _runtime.engine()
+            v: Any = None
+            if eng.root:  # one new version for the whole engine, every stage
+                try:
+                    v = st.hub.publish(s.model, tensors, layout="hf")
+                    logger.info("tensorhub: published the weight files of %s as %s v%d", model_dir, s.model, v)
+                except Exception as e:  # the other ranks wait in the broadcast: hand them the error
+                    v = ("error", f"tensorhub: publishing the weight files of {model_dir} failed: {e}")
+            v = eng.broadcast(v)
+            if isinstance(v, tuple):
+                raise RuntimeError(v[1])
+            if not eng.root and st.serving:
                 st.hub.publish(s.model, tensors, version=v, layout="hf")
             st.version, st.specs = v, _runtime.specs_of(tensors)
             st.copy = tensors if st.serving else None

@@ -14,14 +14,16 @@ drive SGLang's own calls (``tensorhub follow --engine sglang+http://HOST:PORT`` 
 
 The payload names the version only (:func:`payload`: one empty tensor named
 ``tensorhub:<N>`` or ``tensorhub:latest``; no bytes ride along, so it crosses HTTP).
-SGLang calls :func:`pull` on every TP rank. Each rank (rank 0 resolves ``latest``):
+SGLang calls :func:`pull` on every TP rank of every pipeline stage. The engine's root
+(PP stage 0, TP rank 0) resolves the version (``latest`` included) and every rank of
+every stage loads that number. Each rank:
 
 1. fetches the version into new memory: its own native shard when the coordinator has
    the version complete in this engine's native layout, else the ``hf`` layout; the
    names, shapes and dtypes are checked before anything changes;
 2. unpublishes the version it runs (both layouts), waiting up to ``drain_timeout`` for
-   its readers; if they do not drain, or any rank failed step 1, no rank changes anything
-   and the call fails naming the version the engine keeps serving;
+   its readers; if they do not drain, or any rank of any stage failed step 1, no rank
+   changes anything and the call fails naming the version the engine keeps serving;
 3. loads it: an in-place copy into the parameters for the native layout, SGLang's
    ``model.load_weights`` (in ``bucket_bytes`` buckets) for ``hf``;
 4. publishes the parameters in place as the new version's native shard; the serving
@@ -107,10 +109,9 @@ def swap(st: "_runtime.WorkerState", model: Any, requested: Union[int, str], *, 
     try:
         v = _runtime.resolve(st, requested, on_missing=on_missing, what=what)
         if v is not None and v != old_v:
-            if st.layout is None and s.native:
-                st.layout = _runtime.fingerprint(model, st)
-            # Every rank must read the same layout: rank 0 looks, the group follows.
-            layout = _runtime.broadcast(_runtime.choose_layout(st, v) if st.rank == 0 else None)
+            # Every rank of a stage reads the same layout: its TP rank 0 looks, the stage's
+            # TP group follows (the native layout's name differs per stage).
+            layout = _runtime.stage().broadcast(_choose(st, model, v))
             got = _runtime.fetch(st, v, layout)
             if layout == "hf":
                 _runtime.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
@@ -149,13 +150,26 @@ def swap(st: "_runtime.WorkerState", model: Any, requested: Union[int, str], *, 
     return v, layout
 
 
+def _choose(st: "_runtime.WorkerState", model: Any, version: int) -> Optional[str]:
+    """This rank's say in its stage's layout broadcast: TP rank 0's choice, None elsewhere.
+    Never raises (a rank raising here would leave its stage waiting in the broadcast): a
+    fingerprint that cannot be computed means ``hf``."""
+    try:
+        if st.layout is None and st.settings.native:
+            st.layout = _runtime.fingerprint(model, st)
+    except Exception as e:
+        logger.warning("tensorhub: cannot compute the native layout's name (%s); reading hf", e)
+    return _runtime.choose_layout(st, version) if st.rank == 0 else None
+
+
 def _all_or_none(st: "_runtime.WorkerState", err: Optional[str]) -> Optional[str]:
-    """The first rank's error (naming the rank when TP > 1), the same on every rank."""
-    errors = [(r, e) for r, e in enumerate(_runtime.gather(err)) if e is not None]
+    """The first rank's error over the whole engine (every TP rank of every pipeline
+    stage), naming the rank when there are several, the same on every rank."""
+    errors = [(where, e) for where, e in _runtime.gather(err) if e is not None]
     if not errors:
         return None
-    rank, why = errors[0]
-    return why + (f" (tp rank {rank})" if st.tp_size > 1 else "")
+    where, why = errors[0]
+    return why + (f" ({where})" if where else "")
 
 
 def _unpublish(st: "_runtime.WorkerState", version: int) -> Optional[str]:
