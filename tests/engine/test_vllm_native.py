@@ -111,8 +111,13 @@ def test_every_rank_registers_in_place_and_the_layout_is_available_once_all_did(
         assert digest(dict(got)) == digest(_native.native_tensors(models[r]))
     with torch.no_grad():  # in place: the registered bytes are the parameters themselves
         models[1][1].weight.add_(1.0)
+    reader.checksum = "off"  # without checksums the reader gets exactly those bytes ...
     got = reader.fetch("policy", trainer_v, layout=layout, shard=1, serve=False)
+    reader.checksum = "auto"
     assert torch.equal(got["1.weight"], models[1][1].weight)
+    # ... with them (the default), a change behind the Hub's back is refused
+    with pytest.raises(tensorhub.FetchError, match="checksum mismatch"):
+        reader.fetch("policy", trainer_v, layout=layout, shard=1, serve=False, timeout=3)
     # a swap (to a newer version, fetched first) withdraws before the parameters change:
     # the running version, every layout, is no longer served by the engine
     reader.publish("policy", {"x": torch.zeros(4)})
