@@ -579,8 +579,11 @@ class CoordinatorState:
             if r.worker_id == worker_id and r.model == model and r.version == version
             and (only is None or (r.layout, r.shard) in parts)
         }
+        window = self.restored and now <= self.boot_time + self.config.lease_ttl
         if not mine and not fenced:
-            return True, 0
+            # After a restart the holder may not have re-registered what it holds yet:
+            # leases of the previous incarnation may still name it.
+            return (False, 1) if window else (True, 0)
         newly = {rid for rid in mine if not self.replicas[rid].draining}
         if newly and self.latest(model) == version:
             if self._available(model, version, set()) and not self._available(model, version, mine):
@@ -593,7 +596,7 @@ class CoordinatorState:
         for rid in newly:
             self.replicas[rid].draining = True
         open_ = self._open_leases(now, mine | fenced)
-        if self.restored and now < self.boot_time + self.config.lease_ttl:
+        if window:
             return False, max(open_, 1)  # leases granted before the restart may still run
         if open_:
             return False, open_
@@ -785,10 +788,6 @@ class CoordinatorState:
         return any(l.worker_id == seeder and (l.model, l.version, l.layout, l.shard) == key and l.expires >= now
                    for l in self.leases.values())
 
-    def _lease_from_earlier_epoch(self, lease_id: str) -> bool:
-        parts = lease_id.split("-")
-        return len(parts) == 3 and parts[0] == "l" and parts[1] != self.epoch
-
     def renew_lease(self, now: float, lease_id: str) -> float:
         """Extend a still-valid lease by ``lease_ttl``; a lapsed one cannot be renewed."""
         now = self._now(now)
@@ -801,20 +800,16 @@ class CoordinatorState:
     def release_lease(self, now: float, lease_id: str) -> bool:
         """A reader finished: True if the lease was valid up to now (its bytes are good).
 
-        A lease this incarnation never granted (the coordinator restarted) is vouched for
-        only until ``boot + lease_ttl``: holders cannot finish draining before then. The
-        reader still checks its own bound (its last successful grant or renewal + ttl on
-        its monotonic clock), so a lease that lapsed before the restart is never trusted."""
+        A lease this incarnation never granted (the coordinator restarted) is never vouched
+        for: the previous incarnation may have judged it lapsed (and let its holder drain)
+        before it stopped, which nothing here can know. Readers in flight across a restart
+        re-read what they read under such a lease (once). Holders still cannot finish
+        draining before ``boot + lease_ttl`` (``unpublish``), so they never overwrite bytes
+        such a reader may still be reading."""
         now = self._now(now)
         l = self.leases.pop(lease_id, None)
         if l is None:
-            # Granted by an earlier incarnation: its holders cannot have finished draining
-            # before boot + lease_ttl, so it is still good until then.
-            return (
-                self.restored
-                and self._lease_from_earlier_epoch(lease_id)
-                and now <= self.boot_time + self.config.lease_ttl
-            )
+            return False
         return now <= l.expires
 
     # ----------------------------------------------------------------- observability

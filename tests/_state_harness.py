@@ -68,7 +68,7 @@ HAS_ALLOC_REQUEST_ID = "request_id" in inspect.signature(CoordinatorState.alloca
 HAS_LEASE_REQUEST_ID = "request_id" in AcquireLease.model_fields
 
 
-#: Known failures of the state machine at 8941ddb (tests are marked xfail(strict) with these).
+#: Failures of the state machine at 8941ddb, fixed since (their traces are regression tests).
 RESTART_GAP = ("after a restart, unpublish by a worker whose replicas are not registered again yet "
                "answers drained=True inside the restart window (the `not mine and not fenced` early "
                "return comes before the `boot + lease_ttl` check)")
@@ -76,8 +76,8 @@ RESTART_EDGE = ("at now == boot + lease_ttl unpublish already drains (now < boot
                 "release of an earlier-epoch lease still answers True (now <= boot + ttl)")
 FORWARD_THEN_RESTART = ("a forward clock step makes the old incarnation drain a lease early; the new one "
                         "vouches for that lease until boot + lease_ttl, and the reader's own bound still "
-                        "holds: no state-machine rule can tell (design decision: release of an "
-                        "earlier-epoch lease answers False, or the model excludes forward steps)")
+                        "holds: fixed by the design decision that release of an "
+                        "earlier-epoch lease answers False)")
 
 
 class Violation(AssertionError):

@@ -24,8 +24,9 @@ requests whose first answer was lost (``request_id``, rule 5; the reader's bound
 from the first send). Time is continuous: ticks of at most the pause grace, each followed
 by the coordinator's ``expire``. Swarm testing: each run allows a random subset of the
 faults, so the ones it allows meet more often. Two machines: with restarts and backward
-clock steps; with clock steps of both signs and no restart (a forward step followed by a
-restart is a known limit, ``test_state_exhaustive.test_forward_clock_step_then_restart``).
+clock steps; with clock steps of both signs and restarts (a forward step followed by a
+restart failed before a restarted coordinator stopped vouching for earlier leases:
+``test_state_exhaustive.test_forward_clock_step_then_restart``).
 
 What it does not model: bytes (a buffer's generation stands for them), multi-shard
 layouts, pipelined partial replicas and their chunk reports, source failure reports,
@@ -50,7 +51,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from _state_harness import LOC, MANIFEST, MODEL, RESTART_GAP, Scope, World, make_config
+from _state_harness import LOC, MANIFEST, MODEL, Scope, World, make_config
 from tensorhub import ConflictError
 from tensorhub._state import CoordinatorState
 from tensorhub._wire import AcquireLease, RegisterReplica
@@ -233,12 +234,12 @@ class ConsistencyMachine(RuleBasedStateMachine):
 
 
 class ForwardStepMachine(ConsistencyMachine):
-    """The same, with coordinator clock steps of both signs and no restart (a forward step
-    followed by a restart is a known limit: ``test_state_exhaustive``'s
-    ``test_forward_clock_step_then_restart``)."""
+    """The same, with coordinator clock steps of both signs, restarts included (a forward
+    step then a restart was unsafe while a restarted coordinator vouched for leases of the
+    previous incarnation: ``test_state_exhaustive``'s ``test_forward_clock_step_then_restart``)."""
 
     STEPS = (-12.0, -3.0, -0.5, 0.5, 3.0, 12.0)
-    RESTARTS = False
+    RESTARTS = True
 
 
 SHRINK = os.environ.get("STATE_MODEL_SHRINK", "1") == "1"
@@ -249,13 +250,9 @@ ConsistencyMachine.TestCase.settings = _SETTINGS
 ForwardStepMachine.TestCase.settings = _SETTINGS
 
 
-# At 8941ddb this machine can find RESTART_GAP (whether the derandomized runs do depends on
-# the code: any edit changes them). Not strict, so it cannot flip with an edit; remove the
-# marker, and the settings line (no shrinking while it may fail: a minute of CI for nothing),
-# when the strict xfails of test_state_exhaustive report the state machine fixed.
-@pytest.mark.xfail(strict=False, reason=RESTART_GAP)
+# At 8941ddb this machine could find RESTART_GAP (see test_state_exhaustive); fixed since.
 class TestModelWithRestarts(ConsistencyMachine.TestCase):
-    settings = settings(_SETTINGS, phases=[p for p in _SETTINGS.phases if p != Phase.shrink])
+    pass
 
 
 class TestModelWithForwardSteps(ForwardStepMachine.TestCase):
