@@ -52,7 +52,7 @@ import zlib
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ._exceptions import ConfigError
-from ._planner import grid_chunk_bytes
+from ._grid import grid_chunk_bytes
 from .transport import MAX_BATCH_ENTRIES
 
 __all__ = ["ALGORITHMS", "DEFAULT", "MODES", "Verifier", "check_mode", "compute", "count", "cut", "grid",

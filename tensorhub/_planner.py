@@ -44,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
+from ._grid import grid_chunk_bytes  # noqa: F401 (also imported from here)
 from ._wire import Locality
 
 __all__ = [
@@ -56,11 +57,6 @@ COST_HOST, COST_ZONE, COST_DC, COST_REMOTE = 0, 1, 2, 3
 #: ``topology`` (the default) or ``single-source`` (baseline: everyone reads the publisher).
 POLICIES = ("topology", "single-source")
 
-_MiB = 1 << 20
-#: Chunks per shard the grid aims at (more chunks = finer pipelining, more bookkeeping).
-GRID_CHUNKS = 64
-GRID_MIN_BYTES = 1 * _MiB
-GRID_MAX_BYTES = 64 * _MiB
 
 
 def locality_cost(a: Locality, b: Locality) -> int:
@@ -72,14 +68,6 @@ def locality_cost(a: Locality, b: Locality) -> int:
     if a.host != b.host:
         return COST_ZONE
     return COST_HOST
-
-
-def grid_chunk_bytes(nbytes: int) -> int:
-    """The pipelining chunk size of a shard of ``nbytes``: about ``GRID_CHUNKS`` chunks,
-    a whole number of MiB in [1 MiB, 64 MiB]."""
-    per = -(-max(1, nbytes) // GRID_CHUNKS)
-    per = -(-per // _MiB) * _MiB
-    return max(GRID_MIN_BYTES, min(GRID_MAX_BYTES, per))
 
 
 def start_fraction(k: int) -> float:
