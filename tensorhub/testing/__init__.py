@@ -11,7 +11,7 @@ Importing this package loads neither torch nor Mooncake.
 """
 
 from ._faults import Faults, Trigger
-from ._memory import InMemoryTransport
+from ..transport._memory import InMemoryTransport
 from ._workers import CoordinatorProcess, Worker, WorkerError, digest, enter_netns, make_weights
 
 __all__ = [

@@ -1,7 +1,8 @@
 """The data plane: one :class:`Transport` interface, a Mooncake implementation, a factory.
 
 Importing this package does not import ``mooncake``; :meth:`MooncakeTransport.start`
-does. The in-memory test double lives in :mod:`tensorhub.testing`.
+does. The in-memory test double (``_memory.InMemoryTransport``) lives beside it and is
+re-exported by :mod:`tensorhub.testing`, where users find it.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def create_transport(
             host=bind if bind is not None else "127.0.0.1", progress_timeout=progress_timeout
         )
     if name == "memory":
-        from ..testing import InMemoryTransport
+        from ._memory import InMemoryTransport
 
         return InMemoryTransport(progress_timeout=progress_timeout)
     source = "kind" if kind is not None else "TENSORHUB_TRANSPORT"

@@ -37,7 +37,7 @@ import weakref
 from typing import Sequence
 
 from .._exceptions import ConfigError, TransferError
-from ..transport._base import DONE, PENDING, ReadOp, Transport
+from ._base import DONE, PENDING, ReadOp, Transport
 
 __all__ = ["InMemoryTransport"]
 
