@@ -155,10 +155,9 @@ def main() -> int:
             checks.append(v)
         return v
 
-    import tensorhub._pipeline as pipeline_mod
-    import tensorhub.hub as hub_mod
+    import tensorhub._fetch as fetch_mod
 
-    hub_mod.verifier = pipeline_mod.verifier = spy  # count the verified bytes and seconds
+    fetch_mod.verifier = spy  # count the verified bytes and seconds (the one read path)
     pipelined = not args.plain
     with tempfile.TemporaryDirectory() as state, EmbeddedCoordinator(state) as coord:
         ctx = mp.get_context("spawn")

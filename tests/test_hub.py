@@ -183,7 +183,7 @@ def test_replicas_of_a_silent_worker_are_dropped_after_ttl(embedded, connect):
     a = connect("a")
     v = a.publish("m", weights(12, mib=1))
     connect("b").fetch("m", v)
-    a._stop.set()  # a stops heart-beating (as if hung or partitioned)
+    a._session._stop.set()  # a stops heart-beating (as if hung or partitioned)
     deadline = time.monotonic() + embedded.config.worker_ttl + 3
     while any(r.worker_id == "a" for r in embedded.coordinator.state.replicas.values()):
         assert time.monotonic() < deadline, "a's replica outlived the worker TTL"

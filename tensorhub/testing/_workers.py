@@ -196,8 +196,7 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
 
                 # Flip every bit of the version's held tensors in place (memory corruption
                 # behind the Hub's back: the manifest and the registration stay as they were).
-                with hub._lock:
-                    held = [h for h in hub._held.values() if h.version == kw["version"]]
+                held = [h for h in hub._holdings.all() if h.version == kw["version"]]
                 for h in held:
                     for t in h.tensors.values():
                         t.view(torch.uint8).bitwise_not_()

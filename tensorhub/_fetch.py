@@ -1,0 +1,554 @@
+"""One read path: the :class:`Fetch` object behind ``Hub.fetch`` (reader process).
+
+A fetch owns, from first lease to last release: its leases and how long each may be
+trusted (``_fencing.LeaseClock``), its destination (``into`` or new memory) and that
+memory's registration with the transport, the attempts (a lease that lapsed mid-read
+re-reads only its chunks), and at the end either serving the result (a new replica in
+``Holdings``) or cleaning up. Plain and pipelined reads are two *source policies* of this
+one loop:
+
+* :class:`PlainSources`: each lease names complete replicas; a failed source gets a new
+  lease; chunks sized to stripe over every source (or the checksum grid).
+* :class:`PipelinedSources` (default): leases may name partial replicas (readers still
+  receiving) with the chunks they hold; the same lease is refreshed to learn newer chunk
+  sets; with ``serve=True`` the destination is a partial replica from the start, its
+  completed chunks reported (only under trusted leases) so others read them from here;
+  a failed fetch withdraws that partial replica, or quarantines its memory.
+
+It works on small objects the Hub composes -- the :class:`~tensorhub._session.Session`
+(API, identity, transport, lease ttl) and the :class:`~tensorhub._holdings.Holdings` --
+never on the Hub itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from ._checksum import verifier
+from ._exceptions import ConflictError, FetchError, LeaseLapsedError, TensorHubError, TensorMismatchError
+from ._fencing import LeaseClock, renew_leases
+from ._holdings import Held, Holdings, register_regions, unregister_regions
+from ._metrics import Track, hub_metrics
+from ._pipeline import PipelinedReader, PSource
+from ._reader import ShardReader, Source
+from ._session import Session
+from ._tensors import allocate_like, check_into, coalesce
+from ._wire import LeaseGrant, Manifest
+
+__all__ = ["Fetch", "FetchOptions", "Fetched", "PlainSources", "PipelinedSources", "QUARANTINE",
+           "acquire_lease", "release_lease", "release_checked", "select"]
+
+logger = logging.getLogger(__name__)
+
+#: Batches in flight per source, and the smallest chunk worth striping.
+DEPTH = 2
+MIN_CHUNK = 4 << 20
+#: Seconds past a fetch's deadline its coordinator calls (release, register) may still retry.
+RELEASE_GRACE = 2.0
+#: Destination memory a hung transfer or a peer may still use: never freed by us.
+QUARANTINE: list[Any] = []
+
+
+class Fetched(dict):
+    """What ``fetch`` returns: ``name -> tensor``, plus where the bytes came from.
+
+    Attributes: ``version``, ``layout``, ``shard``, ``nbytes``, ``seconds``, ``gbps``
+    (GB/s), ``sources`` (worker id -> bytes read from it), ``failed_sources``.
+    """
+
+    version: int
+    layout: str
+    shard: int
+    nbytes: int
+    seconds: float
+    sources: dict[str, int]
+    failed_sources: list[str]
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    @classmethod
+    def of(cls, out: Mapping[str, Any], version: int, layout: str, shard: int, nbytes: int, seconds: float,
+           sources: dict[str, int], failed: list[str]) -> "Fetched":
+        f = cls(out)
+        f.version, f.layout, f.shard, f.nbytes, f.seconds = version, layout, shard, nbytes, seconds
+        f.sources, f.failed_sources = sources, failed
+        return f
+
+
+@dataclass(frozen=True)
+class FetchOptions:
+    """The Hub's read settings (resolved once when it was built)."""
+
+    max_sources: int
+    chunk_bytes: int
+    progress_timeout: float
+    checksum: str
+
+
+# ---------------------------------------------------------------------- leases
+def acquire_lease(session: Session, model: str, version: int, layout: str, shard: int, excluded: set[str],
+                  deadline: float, clock: Optional[LeaseClock], max_sources: int) -> LeaseGrant:
+    """A (plain) lease on the shard; waits (until ``deadline``) while no replica is
+    serving. ``clock`` learns how long the reader may trust it (docs/consistency.md)."""
+    delay = 0.05
+    while True:
+        try:
+            sent = time.monotonic()
+            body = session.as_worker("/v1/leases", {
+                "worker_id": session.worker_id, "model": model, "version": version, "layout": layout,
+                "shard": shard, "max_sources": max_sources, "exclude": sorted(excluded)[:1024],
+                "request_id": secrets.token_hex(12),  # a retried request gets the same lease
+            })
+            grant = LeaseGrant.model_validate(body)
+            if grant.version != version:
+                raise FetchError(f"asked for {model!r} v{version} but the lease is for v{grant.version}")
+            if clock is not None:
+                clock.granted(grant.lease_id, sent, grant.ttl)
+            return grant
+        except ConflictError as e:
+            if e.code != "no_replica" or time.monotonic() + delay > deadline:
+                raise FetchError(f"cannot fetch {model!r} v{version}: {e.message}") from e
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+def release_lease(session: Session, lease_id: str) -> bool:
+    """Release a lease; True if the coordinator says it stayed valid."""
+    from ._exceptions import NotFoundError
+
+    try:
+        return bool(session.api.post(f"/v1/leases/{lease_id}/release")["valid"])
+    except NotFoundError:
+        return False
+
+
+def release_checked(session: Session, leases: list[str], clock: LeaseClock) -> list[str]:
+    """Release a read's leases; returns those whose bytes cannot be trusted: the
+    coordinator says the lease lapsed, or the reader's own bound passed first."""
+    lapsed = []
+    for lid in leases:
+        trusted = clock.trusted(lid)  # the bytes are all in: judge before the round trip
+        valid = release_lease(session, lid)
+        if not (trusted and valid):
+            if valid:
+                logger.warning("lease %s: released in time for the coordinator, but past this reader's own "
+                               "bound (last grant/renewal + ttl): re-reading", lid)
+            lapsed.append(lid)
+    leases.clear()
+    return lapsed
+
+
+def release_all(session: Session, leases: list[str]) -> None:
+    for lid in leases:
+        try:
+            release_lease(session, lid)
+        except TensorHubError:
+            pass
+    leases.clear()
+
+
+def select(manifest: Manifest, names: list[str], model: str, version: int) -> list[int]:
+    """Indices (manifest order) of ``names``; the error names the first unknown one."""
+    index = {t.name: i for i, t in enumerate(manifest.tensors)}
+    missing = [n for n in names if n not in index]
+    if missing:
+        raise TensorMismatchError(f"{model!r} v{version} has no tensor {missing[0]!r} "
+                                  f"({len(missing)} of the {len(names)} names asked for are unknown)")
+    return sorted(index[n] for n in names)
+
+
+# ---------------------------------------------------------------------- source policies
+class PlainSources:
+    """Complete replicas only; a new lease whenever the reader needs sources."""
+
+    label = ""
+
+    def __init__(self, fetch: "Fetch") -> None:
+        self.f = fetch
+
+    def first_grant(self) -> LeaseGrant:
+        f = self.f
+        g = acquire_lease(f.session, f.model, f.version, f.layout, f.shard, set(), f.deadline, f.trust,
+                          f.opts.max_sources)
+        f.leases.append(g.lease_id)
+        return g
+
+    def reader(self, grant: LeaseGrant, manifest: Manifest, local: list[int], out: Mapping[str, Any]) -> ShardReader:
+        f = self.f
+        # Enough chunks to stripe over every source with a few batches in flight each.
+        spread = -(-manifest.nbytes // (2 * DEPTH * max(1, len(grant.replicas))))
+        chunk = min(f.opts.chunk_bytes, max(MIN_CHUNK, spread))
+        return ShardReader(f.transport, [s.nbytes for s in manifest.tensors], local, chunk_bytes=chunk,
+                           depth=DEPTH, progress_timeout=f.opts.progress_timeout,
+                           checksums=verifier(grant.manifest, out, f.opts.checksum, f.keep))
+
+    def sources(self, grant: Optional[LeaseGrant], excluded: set[str]) -> list[Source]:
+        f = self.f
+        g = grant if grant is not None else acquire_lease(f.session, f.model, f.version, f.layout, f.shard,
+                                                          excluded, f.deadline, f.trust, f.opts.max_sources)
+        if g.lease_id not in f.leases:
+            f.leases.append(g.lease_id)
+        keep = f.keep
+        return [Source(r.replica_id, r.worker_id, r.endpoint,
+                       tuple(r.addresses) if keep is None else tuple(r.addresses[i] for i in keep), g.lease_id, r.cost)
+                for r in g.replicas]
+
+    def started(self, grant: LeaseGrant) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+    def attempt_done(self) -> None:
+        pass
+
+    def todo(self, lapsed: list[str], stats: Any) -> list[int]:
+        return sorted(c for lid in lapsed for c in stats.chunks_by_lease.get(lid, []))
+
+    def failed(self, failure: Optional[BaseException]) -> None:
+        pass
+
+
+class PipelinedSources(PlainSources):
+    """Partial replicas too (see the module docstring and ``_pipeline``)."""
+
+    label = "pipelined"
+
+    def __init__(self, fetch: "Fetch", report_interval: float = 0.05) -> None:
+        super().__init__(fetch)
+        self.cur: Optional[str] = None
+        self.no_source = ""
+        self.partial_id: Optional[str] = None
+        self.last: list[PSource] = []
+        self.report_interval = report_interval
+        self.reported: set[int] = set()
+        self.sent = 0
+        self.said_coming: frozenset = frozenset()
+        self.last_report = 0.0
+        self.seed = False
+
+    def _acquire(self, excluded: set[str], wait: bool) -> Optional[LeaseGrant]:
+        f = self.f
+        delay = 0.05
+        while True:
+            body: dict[str, Any] = {"worker_id": f.session.worker_id, "model": f.model, "version": f.version,
+                                    "layout": f.layout, "shard": f.shard, "max_sources": f.opts.max_sources,
+                                    "exclude": sorted(excluded)[:1024], "pipelined": True, "lease_id": self.cur}
+            if self.cur is None:
+                body["request_id"] = secrets.token_hex(12)  # a retried request gets the same lease
+            sent = time.monotonic()
+            try:
+                g = LeaseGrant.model_validate(f.session.as_worker("/v1/leases", body))
+            except ConflictError as e:
+                if e.code == "lease_lapsed" and self.cur is not None:
+                    self.cur = None  # its chunks are re-read after release says so
+                    continue
+                why = f"cannot fetch {f.model!r} v{f.version}: {e.message}"
+                if e.code != "no_replica" or (wait and time.monotonic() + delay > f.deadline):
+                    raise FetchError(why) from e
+                if not wait:
+                    self.no_source = why
+                    return None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            if g.version != f.version:
+                raise FetchError(f"asked for {f.model!r} v{f.version} but the lease is for v{g.version}")
+            if g.lease_id not in f.leases:
+                f.leases.append(g.lease_id)
+            f.trust.granted(g.lease_id, sent, g.ttl)
+            self.cur = g.lease_id
+            return g
+
+    def first_grant(self) -> LeaseGrant:
+        g = self._acquire(set(), True)
+        assert g is not None
+        self.seed = g.seed
+        return g
+
+    def reader(self, grant: LeaseGrant, manifest: Manifest, local: list[int], out: Mapping[str, Any]) -> ShardReader:
+        f = self.f
+        self.r = PipelinedReader(f.transport, [s.nbytes for s in manifest.tensors], local,
+                                 chunk_bytes=grant.chunk_bytes, start=grant.start, reverse=grant.reverse,
+                                 depth=DEPTH, progress_timeout=f.opts.progress_timeout,
+                                 checksums=verifier(grant.manifest, out, f.opts.checksum))
+        return self.r
+
+    def started(self, grant: LeaseGrant) -> None:
+        f = self.f
+        if f.serve:
+            try:
+                self.partial_id = f.session.register_replica(f.held, partial=True, chunk_bytes=grant.chunk_bytes,
+                                                             num_chunks=len(self.r.chunks))
+            except TensorHubError as e:
+                logger.info("%s v%d: worker %s not serving while receiving: %s", f.model, f.version,
+                            f.session.worker_id, e)
+        if grant.seed:
+            logger.info("%s v%d: %s seeds datacenter %r (%s)", f.model, f.version, f.session.worker_id,
+                        f.session.locality.datacenter, grant.reason)
+
+    def sources(self, grant: Optional[LeaseGrant], excluded: set[str]) -> list[Source]:
+        g = grant if grant is not None else self._acquire(excluded, False)
+        r = self.r
+        r.why_no_source = self.no_source if g is None or not g.replicas else ""
+        # Sources an earlier answer gave under the same lease stay usable (the lease still
+        # names them, e.g. a holder now draining waits for us), unless they failed.
+        kept = [s for s in self.last if s.lease_id == self.cur and s.replica_id not in excluded]
+        if g is None:
+            return list(kept)
+        r.claimed = frozenset(g.claimed)
+        r.reserved = None if g.reserved is None else frozenset(g.reserved)
+        fresh = [PSource(x.replica_id, x.worker_id, x.endpoint, tuple(x.addresses), g.lease_id, x.cost,
+                         None if x.chunks is None else frozenset(x.chunks), frozenset(x.coming))
+                 for x in g.replicas]
+        ids = {s.replica_id for s in fresh}
+        self.last[:] = fresh + [s for s in kept if s.replica_id not in ids]
+        return list(self.last)
+
+    def publish_progress(self, force: bool = False) -> None:
+        """Report newly completed chunks (read under still-trusted leases) and those in flight."""
+        f, r = self.f, self.r
+        coming = frozenset(r.receiving)
+        if self.partial_id is None or (len(r.completed) == self.sent and coming == self.said_coming):
+            return
+        if not force and time.monotonic() - self.last_report < self.report_interval:
+            return
+        self.last_report = time.monotonic()
+        new = r.completed[self.sent:]
+        self.sent = len(r.completed)
+        by_lease: dict[str, list[int]] = {}
+        for c, lid in new:
+            if f.trust.trusted(lid):  # past the reader's bound: never offered (re-read at release)
+                by_lease.setdefault(lid, []).append(c)
+        if not by_lease:
+            by_lease[""] = []
+        for lid, cs in by_lease.items():
+            try:
+                f.session.api.post(f"/v1/replicas/{self.partial_id}/chunks",
+                                   {"worker_id": f.session.worker_id, "chunks": cs,
+                                    "lease_ids": [lid] if lid else [], "coming": sorted(coming)}, retry_timeout=2.0)
+                self.reported.update(cs)
+                self.said_coming = coming
+            except TensorHubError as e:  # lapsed lease or coordinator trouble: not offered
+                logger.debug("chunk report refused: %s", e)
+
+    def tick(self) -> None:
+        self.publish_progress()
+
+    def attempt_done(self) -> None:
+        self.publish_progress(force=True)
+
+    def todo(self, lapsed: list[str], stats: Any) -> list[int]:
+        self.cur = None
+        # Chunks already offered to others were read while their lease was valid: keep them.
+        todo = sorted({c for lid in lapsed for c in stats.chunks_by_lease.get(lid, [])} - self.reported)
+        self.r.completed = [p for p in self.r.completed if p[0] in self.reported]
+        self.sent = len(self.r.completed)
+        return todo
+
+    def failed(self, failure: Optional[BaseException]) -> None:
+        """Withdraw the partial replica within the fetch's deadline; if the coordinator
+        cannot confirm that no reader is left, quarantine the memory instead of freeing it."""
+        f = self.f
+        if self.partial_id is None or not f.regions:
+            return
+        pid = self.partial_id
+        if withdraw(f.session, f.model, f.version, pid, until=f.deadline + RELEASE_GRACE):
+            return
+        keep = f.buf if f.buf is not None else f.out
+        QUARANTINE.append(keep)
+        why = (f"peers may still read it: the failed fetch of {f.model!r} v{f.version} could not confirm "
+               f"that its partial replica {pid} drained")
+        session = f.session
+        f.holdings.quarantine.add(f.out, keep, why, regions=f.regions,
+                                  withdraw=lambda: withdraw(session, f.model, f.version, pid, until=0.0, quiet=True))
+        f.regions = []
+        if f.into is not None and isinstance(failure, Exception):
+            raise FetchError(f"{failure}; the `into` tensors are quarantined and must not be reused "
+                             f"({why}; lifted once the coordinator confirms it)") from failure
+
+
+def withdraw(session: Session, model: str, version: int, replica_id: str, until: float,
+             quiet: bool = False) -> bool:
+    """Unpublish a failed fetch's partial replica (only it: the worker may hold the version
+    in other replicas); True once no reader holds a lease on it (False if that is not
+    confirmed by ``until``, a ``time.monotonic()`` deadline)."""
+    while True:
+        try:
+            r = session.as_worker(f"/v1/models/{model}/versions/{version}/unpublish",
+                                  {"worker_id": session.worker_id, "replica_ids": [replica_id]}, retry_timeout=2.0)
+            if r["drained"]:
+                return True
+        except TensorHubError as e:
+            logger.warning("withdrawing worker %s's partial replica of %s v%d: %s", session.worker_id, model,
+                           version, e)
+        if time.monotonic() > until:
+            if quiet:
+                return False
+            logger.error("worker %s's partial replica of %s v%d did not drain; its memory is quarantined",
+                         session.worker_id, model, version)
+            return False
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------- the fetch
+class Fetch:
+    """One read of (model, version, layout, shard) into ``into`` or new memory; see the
+    module docstring. ``run()`` once; it returns a :class:`Fetched` or raises."""
+
+    def __init__(self, session: Session, holdings: Holdings, opts: FetchOptions, model: str, version: int,
+                 layout: str, shard: int, *, into: Optional[Mapping[str, Any]], serve: bool, deadline: float,
+                 track: Track, names: Optional[list[str]] = None, pipelined: bool = True) -> None:
+        self.session, self.holdings, self.opts = session, holdings, opts
+        self.model, self.version, self.layout, self.shard = model, version, layout, shard
+        self.into, self.serve, self.deadline, self.track, self.names = into, serve, deadline, track, names
+        self.policy: PlainSources = PipelinedSources(self) if pipelined and names is None else PlainSources(self)
+        self.transport = session.transport()
+        self.trust = LeaseClock()
+        self.leases: list[str] = []
+        self.keep: Optional[list[int]] = None
+        self.regions: list[tuple[int, int]] = []
+        self.buf: Any = None
+        self.out: Any = None
+        self.held: Optional[Held] = None
+
+    def run(self) -> Fetched:
+        grant = self.policy.first_grant()
+        manifest = grant.manifest
+        served = False
+        failure: Optional[BaseException] = None
+        try:
+            if self.names is not None:
+                self.keep = select(manifest, self.names, self.model, self.version)
+                manifest = Manifest.model_construct(tensors=[manifest.tensors[i] for i in self.keep])
+            if self.into is not None:
+                local = check_into(manifest, self.into)
+                self.holdings.check_not_served(self.into)
+                self.out = dict(self.into)
+            else:
+                self.buf, self.out = allocate_like(manifest)
+                local = [t.data_ptr() for t in self.out.values()]
+            wanted = coalesce([(a, s.nbytes) for a, s in zip(local, manifest.tensors)])
+            register_regions(self.transport, wanted)
+            self.regions = wanted
+            reader = self.policy.reader(grant, manifest, local, self.out)
+            prog = self.track.start(self.session, self.model, self.version, self.layout, self.shard, manifest.nbytes)
+            self.held = Held(self.model, self.version, self.layout, self.shard, grant.num_shards, manifest, local,
+                             self.regions, self.out, extra=[self.buf])
+            self.policy.started(grant)
+            nbytes, seconds, total, failed = self._attempts(grant, reader, prog)
+            if self.serve:
+                self.held.replica_id = self.session.register_replica(self.held)
+                self.holdings.hold(self.held)
+                served = True
+            logger.info("worker %s fetched %s v%d layout %s shard %d%s: %.1f MB in %.3fs (%.2f GB/s) from %s%s%s",
+                        self.session.worker_id, self.model, self.version, self.layout, self.shard,
+                        f" ({self.policy.label}{', seeder' if getattr(self.policy, 'seed', False) else ''})"
+                        if self.policy.label else "",
+                        nbytes / 1e6, seconds, nbytes / seconds / 1e9 if seconds else 0.0, total,
+                        f"; failed replicas {failed}" if failed else "",
+                        f"; serving it as replica {self.held.replica_id}" if served else "")
+            return Fetched.of(self.out, self.version, self.layout, self.shard, nbytes, seconds, total, failed)
+        except BaseException as e:
+            failure = e
+            raise
+        finally:
+            if not served:
+                release_all(self.session, self.leases)
+                try:
+                    self.policy.failed(failure)
+                finally:
+                    unregister_regions(self.transport, self.regions)
+
+    def _attempts(self, grant: LeaseGrant, reader: ShardReader, prog: Any) -> tuple[int, float, dict, list]:
+        """Read until every chunk was read under a lease still trusted at its release."""
+        first = [grant]
+
+        def sources(excluded: set[str]) -> list[Source]:
+            return self.policy.sources(first.pop() if first else None, excluded)
+
+        def report(src: Source, reason: str) -> None:
+            hub_metrics().source_failures.labels(self.model).inc()
+            self.session.as_worker(f"/v1/replicas/{src.replica_id}/report",
+                                   {"worker_id": self.session.worker_id, "reason": reason[:1000]}, retry_timeout=2.0)
+
+        renew_every = max(0.1, self.session.lease_ttl / 3)
+        last_renew = [time.monotonic()]
+
+        def tick() -> None:
+            prog.tick(reader.live)
+            if time.monotonic() - last_renew[0] >= renew_every:
+                last_renew[0] = time.monotonic()
+                renew_leases(self.session.api, self.leases, self.trust, self.session.lease_ttl)
+            self.policy.tick()
+
+        todo: Optional[list[int]] = None
+        total: dict[str, int] = {}
+        failed: list[str] = []
+        nbytes, seconds = 0, 0.0
+        for _ in range(3):
+            try:
+                stats = reader.run(sources, report, chunks=todo, deadline=self.deadline, on_tick=tick)
+            except BaseException as e:
+                if not reader.stuck:
+                    raise
+                self.regions = []  # a hung batch may still write there: never unregister it
+                raise quarantine_stuck(self.holdings, e, self.buf, self.out, self.into) from e
+            nbytes += stats.nbytes
+            seconds += stats.seconds
+            failed += stats.failed_sources
+            for w, n in stats.bytes_by_source.items():
+                total[w] = total.get(w, 0) + n
+            prog.tick(stats)
+            prog.attempt_done()
+            self.policy.attempt_done()
+            lapsed = release_checked(self.session, self.leases, self.trust)
+            if not lapsed:
+                return nbytes, seconds, total, failed
+            todo = self.policy.todo(lapsed, stats)
+            logger.warning("%s v%d: worker %s's lease(s) %s lapsed during the read; re-reading %d chunk(s)",
+                           self.model, self.version, self.session.worker_id, lapsed, len(todo))
+            first.clear()
+            if not todo:
+                return nbytes, seconds, total, failed
+        raise LeaseLapsedError(f"{self.model!r} v{self.version}: leases kept lapsing; bytes discarded")
+
+
+def quarantine_stuck(holdings: Holdings, e: BaseException, buf: Any, out: Any, into: Any) -> FetchError:
+    """A read whose batch never ended: keep its destination alive forever (never freed or
+    reused by us; ``fetch(into=...)`` refuses it) and say so in the error the caller raises."""
+    QUARANTINE.append(buf if buf is not None else out)
+    if into is not None:
+        holdings.quarantine.add(into, into, "a hung source may still write into it (a fetch's transfer never ended)")
+    return FetchError(f"{e}; a hung source may still write into the destination"
+                      + (": the `into` tensors are quarantined and must not be reused" if into is not None else ""))
+
+
+def copy_held(held: Held, into: Optional[Mapping[str, Any]], names: Optional[list[str]], holdings: Holdings,
+              worker_id: str) -> Fetched:
+    """A fetch of what this process holds already: no transfer (a copy into ``into``)."""
+    model, version, layout, shard = held.key
+    if names is not None:  # part of what we hold: copy it
+        keep = select(held.manifest, names, model, version)
+        part = Manifest.model_construct(tensors=[held.manifest.tensors[i] for i in keep])
+        if into is None:
+            _, into = allocate_like(part)
+        check_into(part, into)
+        holdings.check_not_served(into)
+        for spec in part.tensors:
+            into[spec.name].copy_(held.tensors[spec.name])
+        return Fetched.of(dict(into), version, layout, shard, part.nbytes, 0.0, {worker_id: part.nbytes}, [])
+    if into is None:
+        return Fetched.of(dict(held.tensors), version, layout, shard, 0, 0.0, {}, [])
+    check_into(held.manifest, into)
+    holdings.check_not_served(into)
+    for name, t in held.tensors.items():
+        into[name].copy_(t)
+    return Fetched.of(dict(into), version, layout, shard, held.manifest.nbytes, 0.0,
+                      {worker_id: held.manifest.nbytes}, [])

@@ -1,0 +1,213 @@
+"""This process as a worker of the coordinator: one :class:`Session` per Hub.
+
+It owns the coordinator client, the worker's identity and locality, the data-plane
+transport (started on first use, which registers its endpoint), the lease ttl and epoch
+the coordinator answered, the heartbeat thread, and re-registration: when the coordinator
+restarted (new epoch) or forgot this worker (404), the worker and every replica in
+``holdings`` are registered again, and everything held then is fenced for one lease ttl
+(docs/consistency.md, rule 4). Fetches, publishes and the Hub facade share it; it never
+reaches back into them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from typing import Any, Optional
+from urllib.parse import urlparse
+
+from . import envs
+from ._client import CoordinatorClient
+from ._exceptions import HubClosedError, NotFoundError, TensorHubError
+from ._holdings import Held, Holdings, unregister_regions
+from ._metrics import FetchProgress, Outbox, hub_metrics
+from ._wire import Locality
+from .transport import Transport, create_transport
+
+__all__ = ["Session", "data_host"]
+
+logger = logging.getLogger(__name__)
+
+
+def data_host(coordinator_url: str) -> str:
+    """The address our data plane advertises: loopback if the coordinator is, else the
+    local address of the route towards it (no packet is sent)."""
+    host = urlparse(coordinator_url).hostname or "127.0.0.1"
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+            return "127.0.0.1"
+    except (OSError, ValueError):
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return s.getsockname()[0]
+
+
+class Session:
+    """See the module docstring. ``holdings.lock`` is also this session's lock: a replica
+    being unpublished is never announced again by a concurrent re-registration."""
+
+    def __init__(self, url: str, worker_id: str, locality: Locality, holdings: Holdings, *,
+                 token: Optional[str], ca_file: Optional[str], transport: Optional[Transport],
+                 heartbeat_interval: float, progress_timeout: float) -> None:
+        self.url = url
+        self.worker_id = worker_id
+        self.locality = locality
+        self.holdings = holdings
+        self.heartbeat_interval = heartbeat_interval
+        self.progress_timeout = progress_timeout
+        self._token, self._ca_file = token, ca_file
+        self._transport = transport
+        self._transport_started = False
+        self._api: Optional[CoordinatorClient] = None
+        self.epoch: Optional[str] = None
+        self.lease_ttl = 30.0
+        self.closed = False
+        self._stop = threading.Event()
+        self._hb: Optional[threading.Thread] = None
+        self._outbox = Outbox(self)
+        #: (epoch, served leases, served bytes) last answered on a heartbeat.
+        self._served_seen: tuple[Optional[str], int, int] = (None, 0, 0)
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self) -> None:
+        self._api = CoordinatorClient(self.url, self._token, ca_file=self._ca_file)
+        self.register_worker()
+        self._hb = threading.Thread(target=self._heartbeat_loop, name=f"tensorhub-hb-{self.worker_id}", daemon=True)
+        self._hb.start()
+
+    def stop(self) -> None:
+        """Stop heart-beating and reporting (the first half of ``Hub.close``)."""
+        self.closed = True
+        self._stop.set()
+        if self._hb is not None:
+            self._hb.join(timeout=5)
+        self._outbox.close(timeout=2.0)
+
+    def close_transport(self) -> None:
+        if self._transport is not None and self._transport_started:
+            self._transport.close()
+
+    @property
+    def api(self) -> CoordinatorClient:
+        if self.closed:
+            raise HubClosedError(f"Hub {self.worker_id} is closed")
+        if self._api is None:
+            raise HubClosedError("Hub is not connected; use tensorhub.connect(url)")
+        return self._api
+
+    @property
+    def transport_started(self) -> bool:
+        return self._transport_started
+
+    def transport(self) -> Transport:
+        """The data plane, started (and its endpoint registered) on first use."""
+        with self.holdings.lock:
+            if self._transport is None:
+                host = envs.TENSORHUB_DATA_HOST or data_host(self.url)
+                self._transport = create_transport(host=host, progress_timeout=self.progress_timeout)
+            if not self._transport_started:
+                self._transport.start()
+                self._transport_started = True
+                self.register_worker()
+            return self._transport
+
+    # ------------------------------------------------------------------ registration
+    def register_worker(self, retry_timeout: Optional[float] = None) -> None:
+        endpoint = self._transport.endpoint if self._transport_started and self._transport else ""
+        r = self.api.post("/v1/workers", {"worker_id": self.worker_id, "endpoint": endpoint,
+                                          "locality": self.locality.model_dump()}, retry_timeout=retry_timeout)
+        self.epoch = r["epoch"]
+        self.lease_ttl = float(r["lease_ttl"])
+
+    def reregister(self) -> None:
+        """Register the worker and every held replica again, under the holdings' lock, with
+        a short retry budget: a coordinator still down must not stall fetches for long."""
+        budget = max(1.0, 2 * self.heartbeat_interval)
+        # Leases on what we held may still run (granted before the restart, or renewed on
+        # our tombstones): overwriting any of it waits one more lease ttl.
+        self.holdings.fence_all(time.monotonic() + self.lease_ttl)
+        try:
+            with self.holdings.lock:
+                self.register_worker(retry_timeout=budget)
+                for h in self.holdings.all():
+                    self.api.post(f"/v1/models/{h.model}/versions", {"version": h.version}, retry_timeout=budget)
+                    h.replica_id = self.api.post("/v1/replicas", self.replica_body(h),
+                                                 retry_timeout=budget)["replica_id"]
+        except TensorHubError as e:
+            logger.warning("re-registration failed (will retry): %s", e)
+
+    def as_worker(self, path: str, body: Any, **kw: Any) -> Any:
+        """POST a worker-scoped call; if the coordinator forgot us (it restarted), register
+        again (with every held replica) and retry once."""
+        try:
+            return self.api.post(path, body, **kw)
+        except NotFoundError as e:
+            if e.code != "unknown_worker":
+                raise
+            logger.warning("coordinator forgot worker %s; re-registering", self.worker_id)
+            self.reregister()
+            return self.api.post(path, body, **kw)
+
+    def register_replica(self, h: Held, **extra: Any) -> str:
+        """Announce a held replica (``extra``: e.g. ``partial=True`` and its chunk grid)."""
+        self.api.post(f"/v1/models/{h.model}/versions", {"version": h.version})
+        return self.as_worker("/v1/replicas", dict(self.replica_body(h), **extra))["replica_id"]
+
+    def replica_body(self, h: Held) -> dict:
+        return {
+            "worker_id": self.worker_id, "model": h.model, "version": h.version, "layout": h.layout,
+            "shard": h.shard, "num_shards": h.num_shards,
+            "manifest": h.manifest.model_dump(mode="json"), "addresses": h.addresses,
+        }
+
+    # ------------------------------------------------------------------ heartbeat, telemetry
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval):
+            try:
+                r = self.api.post(f"/v1/workers/{self.worker_id}/heartbeat", retry_timeout=self.heartbeat_interval)
+                self._count_served(r)
+                q = self.holdings.quarantine
+                if len(q) and self._transport is not None:
+                    q.retry(lambda regions: unregister_regions(self._transport, regions))
+                if r.get("epoch") != self.epoch:
+                    logger.warning("coordinator restarted (epoch %s -> %s); re-registering", self.epoch, r["epoch"])
+                    self.reregister()
+            except NotFoundError:
+                logger.warning("coordinator forgot worker %s; re-registering its replicas", self.worker_id)
+                self.reregister()
+            except HubClosedError:
+                return
+            except TensorHubError as e:
+                logger.warning("heartbeat to %s failed: %s", self.url, e)
+            except Exception:  # pragma: no cover - never let the thread die
+                logger.exception("heartbeat failed")
+
+    def _count_served(self, answer: dict) -> None:
+        """Turn the coordinator's totals of what this worker served (since it started, or
+        since it re-registered us) into this process's ``served`` counter increments."""
+        if "served_bytes" not in answer:
+            return  # an older coordinator
+        epoch, leases, nbytes = answer.get("epoch"), int(answer["served_leases"]), int(answer["served_bytes"])
+        seen_epoch, seen_leases, seen_bytes = self._served_seen
+        if epoch != seen_epoch or leases < seen_leases or nbytes < seen_bytes:
+            seen_leases = seen_bytes = 0  # the coordinator counts afresh
+        m = hub_metrics()
+        if leases > seen_leases:
+            m.served_leases.inc(leases - seen_leases)
+        if nbytes > seen_bytes:
+            m.served_bytes.inc(nbytes - seen_bytes)
+        self._served_seen = (epoch, leases, nbytes)
+
+    def report(self, path: str, body: dict) -> None:
+        """Send telemetry in the background (best effort)."""
+        self._outbox.put(path, body)
+
+    def _fetch_report(self, p: FetchProgress, state: str) -> dict:
+        return {"worker_id": self.worker_id, "model": p.model, "version": p.version, "layout": p.layout,
+                "shard": p.shard, "state": state, "nbytes": p.nbytes, "total": p.total,
+                "seconds": round(p.seconds, 6), "sources": dict(list(p.sources.items())[:1024]),
+                "failed_sources": p.failed_sources}
