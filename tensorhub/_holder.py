@@ -52,9 +52,20 @@ def publish(session: Session, holdings: Holdings, checksum: str, model: str, ten
 def unpublish(session: Session, holdings: Holdings, model: str, version: int, *, timeout: Optional[float],
               retain: bool) -> None:
     """``Hub.unpublish`` (see there)."""
-    mine = holdings.of_version(model, version)
+    with holdings.lock:
+        mine = holdings.of_version(model, version)
+        holdings.withdrawing.update(h.key for h in mine)  # no re-registration announces them now
     if not mine:
         raise NotFoundError(404, f"this hub holds no replica of {model!r} v{version}", "not_held")
+    try:
+        _withdraw(session, holdings, mine, model, version, timeout, retain)
+    finally:
+        with holdings.lock:  # dropped on success; still served (and announced) on failure
+            holdings.withdrawing.difference_update(h.key for h in mine)
+
+
+def _withdraw(session: Session, holdings: Holdings, mine: list[Held], model: str, version: int,
+              timeout: Optional[float], retain: bool) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     delay = 0.02
     body: dict[str, Any] = {"worker_id": session.worker_id}

@@ -59,6 +59,10 @@ class Holdings:
         #: Held replica -> monotonic time before which unpublish does not let it be
         #: overwritten: set when this worker learns it was expired or the coordinator restarted.
         self.fence_until: dict[Key, float] = {}
+        #: Replicas an ``unpublish`` is withdrawing: never announced again by a re-registration
+        #: (else a reader could lease them while the holder waits out its fence, then read
+        #: overwritten bytes).
+        self.withdrawing: set[Key] = set()
 
     def get(self, key: Key) -> Optional[Held]:
         with self.lock:
@@ -71,6 +75,11 @@ class Holdings:
     def all(self) -> list[Held]:
         with self.lock:
             return list(self.held.values())
+
+    def announced(self) -> list[Held]:
+        """What a re-registration announces: every held replica not being withdrawn."""
+        with self.lock:
+            return [h for k, h in self.held.items() if k not in self.withdrawing]
 
     def hold(self, h: Held) -> None:
         """Record a replica this process now holds."""
@@ -87,6 +96,7 @@ class Holdings:
         with self.lock:
             h = self.held.pop(key, None)
             self.fence_until.pop(key, None)
+            self.withdrawing.discard(key)
         if h is not None:
             m = hub_metrics()
             m.held_replicas.labels(h.model).dec()

@@ -133,7 +133,7 @@ class Session:
         try:
             with self.holdings.lock:
                 self.register_worker(retry_timeout=budget)
-                for h in self.holdings.all():
+                for h in self.holdings.announced():
                     self.api.post(f"/v1/models/{h.model}/versions", {"version": h.version}, retry_timeout=budget)
                     h.replica_id = self.api.post("/v1/replicas", self.replica_body(h),
                                                  retry_timeout=budget)["replica_id"]

@@ -155,3 +155,31 @@ def test_a_wall_clock_step_changes_no_answer(monkeypatch, hubs, embedded, step):
     assert drained == {"drained": False, "open_leases": 1}
     assert r._release_checked([g.lease_id], clock) == []
     monkeypatch.setattr(time, "time", real)
+
+
+def test_a_replica_being_unpublished_is_not_announced_again_while_its_fence_runs(embedded, hubs):
+    """The race the model check found with the holder fence: a re-registration during
+    unpublish's fence wait announced the replica again, a reader leased it, and the holder
+    overwrote it when the wait ended."""
+    import threading
+
+    t, r = hubs("t"), hubs("r")
+    v1 = t.publish("m", weights(1))
+    t.publish("m", weights(2))
+    coord = embedded.coordinator
+    coord.call(lambda now: coord.state.remove_worker(now, "t"))  # forgotten: fenced on re-registration
+    deadline = time.monotonic() + 5
+    while not t._fence_until and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done = threading.Event()
+    threading.Thread(target=lambda: (t.unpublish("m", v1), done.set()), daemon=True).start()
+    time.sleep(0.5)  # unpublish is drained and waits out the fence now
+    coord.call(lambda now: coord.state.remove_worker(now, "t"))  # forgotten again mid-wait
+    time.sleep(1.0)  # the heartbeat re-registers what it holds
+    status = r.api.get("/v1/status")
+    assert "t" in {w["worker_id"] for w in status["workers"]}
+    held_v1 = [rep for m in status["models"] for v in m["versions"] if v["version"] == v1 for rep in v["replicas"]]
+    assert held_v1 == [], "a replica being unpublished was announced again"
+    with pytest.raises(FetchError, match="no longer held by anyone"):
+        r.fetch("m", v1, timeout=3)
+    assert done.wait(15)
