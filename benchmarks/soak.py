@@ -11,7 +11,7 @@ on loopback and the two control-plane kinds are skipped (said in the output).
 Faults, each during a read (the reader holds a lease):
 
 * kill / hang -- SIGKILL or SIGSTOP another worker; coordinator -- SIGKILL it and restart it;
-* cut -- the trainer, the only holder of a version being read over its slowed uplink, loses
+* cut -- the trainer, the only holder of a (larger) version read over its slowed uplink, loses
   its route to the coordinator (a blackhole route in its namespace; half the time its open
   connections are reset too) for longer than ``worker_ttl``: it is expired, heals and
   re-registers by itself, then does a double-buffered step: publishes the next version and
@@ -56,9 +56,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CLEAR_ERRORS = {"FetchError", "NotFoundError", "HubTimeoutError", "ConflictError", "RetentionError",
                 "CoordinatorUnavailableError", "LeaseLapsedError", "TransferError"}
 FETCH_TIMEOUT = 12.0
-#: The reads of the control-plane kinds: slowed to ~READ_SECONDS, and they span the fault.
+#: The reads of the control-plane kinds span the fault: a version of 3x --mib (at least
+#: CP_MIB MiB) over the holder's uplink slowed to CP_RATE (~10 s for the default 16 MiB;
+#: 1 MiB chunks, two in flight, still land well within the readers' 2 s progress timeout).
 CP_FETCH_TIMEOUT = 30.0
-READ_SECONDS = 8.0
+CP_MIB, CP_RATE = 24, "40mbit"
 SLACK = 8.0  # release/retry after the deadline, process scheduling on 2 cores
 WORKER_TTL, LEASE_TTL = 2.0, 5.0
 KINDS = ("none", "kill", "hang", "coordinator", "cut", "pause")
@@ -138,21 +140,21 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
                     spawn(n)
                     counts["respawn"] += 1
 
-        def record(v: int, s: int, kind: str) -> None:
+        def record(v: int, s: int, kind: str, nbytes: int = size) -> None:
             if issued and v <= max(issued):
                 problem("lost", kind, f"version {v} handed out again (had {max(issued)})")
             issued.append(v)
             issued_during[v] = kind
-            expected[v] = digest(make_weights(s, size))
+            expected[v] = digest(make_weights(s, nbytes))
             for d in expected[v].values():
                 by_digest[d] = v
 
-        def publish(kind: str = "none") -> Optional[int]:
+        def publish(kind: str = "none", nbytes: int = size) -> Optional[int]:
             if not ready("trainer"):
                 return None
             s = rng.randrange(1 << 30)
-            v = workers["trainer"].call("publish", timeout=60, seed=s, nbytes=size)
-            record(v, s, kind)
+            v = workers["trainer"].call("publish", timeout=60, seed=s, nbytes=nbytes)
+            record(v, s, kind, nbytes)
             counts["publish"] += 1
             return v
 
@@ -167,7 +169,7 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
                 counts["fetch ok"] += 1
                 by_kind[kind]["ok"] += 1
 
-        def failed(e: WorkerError, took: float, timeout: float, kind: str, what: str = "fetch") -> None:
+        def failed(e: WorkerError, took: float, timeout: float, kind: str, what: str = "fetch", who: str = "") -> None:
             if e.kind not in CLEAR_ERRORS:
                 problem("late", kind, f"{what}: unclear error {e.kind}: {e.message.splitlines()[0]}")
             elif took > timeout + SLACK:
@@ -176,7 +178,7 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
                 counts[f"{what} failed clearly: {e.kind}"] += 1
                 if what == "fetch":
                     by_kind[kind]["clear"] += 1
-                clear.append(f"[{kind}] {what} after {took:.1f}s: {e.kind}: {e.message.splitlines()[0][:300]}")
+                clear.append(f"[{kind}] {what} by {who} after {took:.1f}s: {e.kind}: {e.message.splitlines()[0][:300]}")
 
         def stuck(name: str, what: str, kind: str, waited: float) -> None:
             problem("late", kind, f"{what} by {name} did not answer within {waited:.0f}s")
@@ -221,7 +223,7 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
                 got = w.result(timeout=FETCH_TIMEOUT + SLACK + 30)
                 check(got, asked, kind)
             except WorkerError as e:
-                failed(e, time.monotonic() - t0, FETCH_TIMEOUT, kind)
+                failed(e, time.monotonic() - t0, FETCH_TIMEOUT, kind, who=name)
             except TimeoutError:
                 stuck(name, "fetch", kind, FETCH_TIMEOUT + SLACK + 30)
             finally:
@@ -254,16 +256,17 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
             readers = [n for n in names[1:] if ready(n)]
             if tb is None or not readers or not ready("trainer"):
                 return
+            big = max(CP_MIB << 20, 3 * size)
             try:
-                v = publish(kind)
+                v = publish(kind, big)
             except WorkerError as e:
-                failed(e, 0.0, 60, kind, "publish")
+                failed(e, 0.0, 60, kind, "publish", "trainer")
                 return
             trainer, name = workers["trainer"], rng.choice(readers)
             w = workers[name]
             by_kind[kind]["fetches"] += 1
-            rate = f"{max(4, int(size * 8 / 1e6 / READ_SECONDS))}mbit"
-            faults.slow(ns("trainer"), "eth0", rate)
+            counts[f"{kind}: read by a {'plain' if name in per_worker else 'pipelined'} reader"] += 1
+            faults.slow(ns("trainer"), "eth0", CP_RATE)
             answers: dict[str, Any] = {}
             try:
                 t0 = time.monotonic()
@@ -297,16 +300,19 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
                         counts[f"{kind}: unpublished mid-read"] += 1
                     s2, s3 = rng.randrange(1 << 30), rng.randrange(1 << 30)
                     try:
-                        v2 = trainer.call("publish", timeout=60, seed=s2, nbytes=size)
-                        record(v2, s2, kind)
+                        v2 = trainer.call("publish", timeout=60, seed=s2, nbytes=big)
+                        record(v2, s2, kind, big)
+                        # known before the read is checked, so that bytes of it count as mixed, not torn
+                        for d in digest(make_weights(s3, big)).values():
+                            by_digest[d] = v2 + 1
                         trainer.send("unpublish", version=v, refill=s3, drain_timeout=CP_FETCH_TIMEOUT + LEASE_TTL)
                         answers["trainer"] = None
                     except WorkerError as e:
-                        failed(e, 0.0, 60, kind, "publish")
+                        failed(e, 0.0, 60, kind, "publish", "trainer")
                 got = w.result(timeout=CP_FETCH_TIMEOUT + SLACK + 30)
                 check(got, v, kind)
             except WorkerError as e:
-                failed(e, time.monotonic() - t0, CP_FETCH_TIMEOUT, kind)
+                failed(e, time.monotonic() - t0, CP_FETCH_TIMEOUT, kind, who=name)
             except TimeoutError:
                 stuck(name, "fetch", kind, CP_FETCH_TIMEOUT + SLACK + 30)
             finally:
@@ -316,7 +322,7 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
                     t1 = time.monotonic()
                     try:
                         r = trainer.result(timeout=CP_FETCH_TIMEOUT + LEASE_TTL + SLACK + 30)
-                        record(r["version"], s3, kind)
+                        record(r["version"], s3, kind, big)
                         counts["unpublish ok"] += 1
                     except WorkerError as e:
                         if e.kind in CLEAR_ERRORS:
