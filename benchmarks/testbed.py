@@ -154,7 +154,7 @@ class Testbed:
                 _sh("ip", "-n", ns, "link", "set", "eth0", "up")
                 self._tbf(core, port, self.host_rate)   # downlink to the host
                 self._tbf(ns, "eth0", self.host_rate)   # uplink from the host
-                self.hosts[name] = {"ns": ns, "ip": ip, "dc": dc}
+                self.hosts[name] = {"ns": ns, "ip": ip, "dc": dc, "port": port}
 
     def close(self) -> None:
         """Kill every process started here, delete every namespace (and so every link). Idempotent."""
@@ -187,6 +187,12 @@ class Testbed:
                              start_new_session=True)
         self.procs.append(p)
         return p
+
+    def downlink(self, host: str) -> tuple[str, str]:
+        """(namespace, device) whose egress is ``host``'s downlink: its port on the bridge, in
+        the core namespace (shape it with ``Faults.slow(*tb.downlink(h), rate)``). Its uplink
+        is ``(tb.hosts[host]["ns"], "eth0")``."""
+        return self.core, self.hosts[host]["port"]
 
     def start_coordinator(self, state_dir: str, *, planner: str = "topology") -> str:
         p = self.spawn("core", [sys.executable, "-m", "tensorhub", "coordinator", "--host", self.coordinator_ip,

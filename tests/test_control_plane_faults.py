@@ -64,9 +64,7 @@ class Bed:
         return self.tb.hosts[host]["ns"]
 
     def downlink(self, host: str) -> tuple[str, str]:
-        """(namespace, device) of the bridge port that carries ``host``'s downlink."""
-        d, k = self.ns(host).rsplit("h", 1)[1].split("x")
-        return self.tb.core, f"v{d}x{k}"
+        return self.tb.downlink(host)
 
     def worker(self, host: str, name: str, **opts: Any) -> Worker:
         opts.setdefault("heartbeat_interval", HEARTBEAT)
