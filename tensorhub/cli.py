@@ -14,36 +14,9 @@ from typing import Any, Optional, Sequence, TextIO
 
 from . import envs
 from ._exceptions import ConfigError, TensorHubError
+from .follow import ProgressLine
 
 __all__ = ["main", "format_status", "ProgressLine"]
-
-
-class ProgressLine:
-    """One line redrawn in place on a terminal (``\\r`` + clear to end of line); on anything
-    else (a pipe, a log file) a line is written at most every ``every`` seconds, so logs
-    stay readable. ``done()`` ends the line."""
-
-    def __init__(self, stream: Optional[TextIO] = None, every: float = 10.0) -> None:
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.every = every
-        self.drawn = False
-        self._last = float("-inf")
-
-    def draw(self, text: str) -> None:
-        if self.tty:
-            self.stream.write("\r" + text + "\x1b[K")
-            self.drawn = True
-        elif time.monotonic() - self._last >= self.every:
-            self._last = time.monotonic()
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def done(self) -> None:
-        if self.tty and self.drawn:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-        self.drawn = False
 
 
 def _read_token(path: Optional[str]) -> Optional[str]:
@@ -198,11 +171,8 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _follow(args: argparse.Namespace) -> int:
-    # imports no engine at module level; --engine sglang+http://... picks the SGLang driver
-    if any(a.split("=", 1)[-1].startswith("sglang+") for a in args.rest):
-        from integrations.sglang.follow import main as follow_main
-    else:
-        from integrations.vllm.follow import main as follow_main
+    # engine drivers register as entry points (tensorhub.follow); none is imported here
+    from .follow import main as follow_main
 
     return follow_main(args.rest)
 

@@ -341,7 +341,7 @@ def test_progress_line_off_a_terminal_writes_few_plain_lines():
 
 
 def test_follow_progress_line_from_the_coordinators_running_fetches():
-    from integrations.vllm.follow import progress_text
+    from tensorhub.follow import progress_text
 
     st = {"fetches": [
         {"worker_id": "engine-b", "model": "policy", "version": 3, "layout": "hf", "shard": 0,

@@ -13,13 +13,14 @@ integrations.sglang.pull.pull``.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from typing import Any, Optional, Sequence
 
-from integrations.vllm.follow import follow, parser
+from tensorhub.follow import Driver, run
 
-__all__ = ["main", "swap", "engine_version"]
+__all__ = ["DRIVER", "main", "swap", "engine_version"]
 
 PREFIX = "sglang+"
 
@@ -69,17 +70,20 @@ def swap(client, version: int, mode: str, tp: int) -> float:
     return time.monotonic() - t0
 
 
+def _banner(client: Any, args: argparse.Namespace) -> tuple[Optional[int], str]:
+    current, args.tp = engine_version(client), tp_size(client)
+    return current, (f"following {args.model} for SGLang at {args.engine.removeprefix(PREFIX).rstrip('/')} "
+                     f"(tp {args.tp}, engine at v{current})")
+
+
+#: The ``tensorhub follow`` driver (entry point ``tensorhub.engines: sglang``).
+DRIVER = Driver("sglang", PREFIX, "SGLang server URL, e.g. sglang+http://127.0.0.1:30000",
+                ("abort", "retract", "in_place"), __doc__, _banner,
+                lambda client, v, args, show: swap(client, v, args.mode, getattr(args, "tp", 1)))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parser("SGLang server URL, e.g. sglang+http://127.0.0.1:30000",
-                  ("abort", "retract", "in_place"), __doc__).parse_args(argv)
-    url = args.engine.removeprefix(PREFIX).rstrip("/")
-    tp = [1]
-
-    def banner(client: Any) -> tuple[Optional[int], str]:
-        current, tp[0] = engine_version(client), tp_size(client)
-        return current, f"following {args.model} for SGLang at {url} (tp {tp[0]}, engine at v{current})"
-
-    return follow(args, url, banner, lambda client, v, show: swap(client, v, args.mode, tp[0]))
+    return run(DRIVER, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,205 @@
+"""``tensorhub follow``: keep a running inference server on the newest version of a model.
+
+Engine-neutral: the loop here connects to the coordinator, waits for each newer complete
+version, has the engine's *driver* swap to it, prints one line per swap (the version, the
+stall, the bytes and the holders; a progress line on a terminal while a swap runs longer
+than a second) and keeps going after a failed swap. Drivers register under the entry-point
+group ``tensorhub.engines`` (this package's ``pyproject.toml`` registers ``vllm`` and
+``sglang`` from ``integrations``); ``tensorhub`` itself imports no engine adapter. A driver
+is picked by the ``--engine`` URL's prefix (``sglang+http://...``); the one with no prefix
+(vLLM) is the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, TextIO
+
+__all__ = ["Driver", "ProgressLine", "drivers", "follow", "main", "parser", "pick", "progress_text"]
+
+#: Entry-point group of engine drivers (each a :class:`Driver`).
+GROUP = "tensorhub.engines"
+
+
+class ProgressLine:
+    """One line redrawn in place on a terminal (``\\r`` + clear to end of line); on anything
+    else (a pipe, a log file) a line is written at most every ``every`` seconds, so logs
+    stay readable. ``done()`` ends the line."""
+
+    def __init__(self, stream: Optional[TextIO] = None, every: float = 10.0) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every
+        self.drawn = False
+        self._last = float("-inf")
+
+    def draw(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r" + text + "\x1b[K")
+            self.drawn = True
+        elif time.monotonic() - self._last >= self.every:
+            self._last = time.monotonic()
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty and self.drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+        self.drawn = False
+
+
+@dataclass(frozen=True)
+class Driver:
+    """What ``tensorhub follow`` needs of an engine (an adapter registers one).
+
+    ``banner(client, args)`` -> (the engine's current version or None, the first line to
+    print); ``swap(client, version, args, show)`` -> the stall in seconds (``show(stall)``
+    draws the progress line; raise ``RuntimeError`` for a failed swap the engine survived).
+    ``client`` is an ``httpx.Client`` on the engine's base URL."""
+
+    name: str
+    prefix: str  # of the --engine URL that selects it ("" for the default)
+    engine_help: str
+    modes: tuple[str, ...]
+    doc: str
+    banner: Callable[[Any, argparse.Namespace], tuple[Optional[int], str]]
+    swap: Callable[[Any, int, argparse.Namespace, Callable[[float], None]], float]
+
+    def base_url(self, engine: str) -> str:
+        return engine.removeprefix(self.prefix).rstrip("/")
+
+
+def drivers() -> dict[str, Any]:
+    """Registered drivers by name (entry points, not loaded yet)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=GROUP)}
+
+
+def pick(argv: Sequence[str]) -> Driver:
+    """The driver an ``--engine`` URL in ``argv`` asks for (by prefix; else the default)."""
+    engine = ""
+    for i, a in enumerate(argv):
+        if a.startswith("--engine="):
+            engine = a.split("=", 1)[1]
+        elif a == "--engine" and i + 1 < len(argv):
+            engine = argv[i + 1]
+    eps = drivers()
+    if not eps:
+        raise SystemExit(f"tensorhub follow: no engine driver is installed (entry-point group {GROUP!r})")
+    loaded = [ep.load() for ep in eps.values()]
+    for d in sorted(loaded, key=lambda d: -len(d.prefix)):
+        if d.prefix and engine.startswith(d.prefix):
+            return d
+    default = [d for d in loaded if not d.prefix]
+    if not default:
+        raise SystemExit(f"tensorhub follow: no driver for --engine {engine!r} "
+                         f"(drivers: {', '.join(d.name + ' ' + repr(d.prefix) for d in loaded)})")
+    return default[0]
+
+
+def progress_text(status: dict, model: str, version: int, stall: float) -> str:
+    """The follow progress line from the coordinator's running fetches of ``model`` v``version``
+    (the engine's fetch; several engines' fetches are summed)."""
+    from ._metrics import FetchProgress
+
+    running = [f for f in status.get("fetches", []) if f["model"] == model and f["version"] == version]
+    if not running:
+        return f"v{version}: swapping, stall {stall:.1f}s"
+    sources: dict[str, int] = {}
+    for f in running:
+        for w, n in f["sources"].items():
+            sources[w] = sources.get(w, 0) + n
+    p = FetchProgress(model, version, running[0]["layout"], running[0]["shard"],
+                      sum(f["nbytes"] for f in running), sum(f["total"] for f in running),
+                      max(f["seconds"] for f in running), sources, sum(f["failed_sources"] for f in running))
+    who = ", ".join(sorted(f["worker_id"] for f in running))
+    return f"swap {p.line()} (reader {who}; stall {stall:.1f}s)"
+
+
+def _holders(hub: Any, model: str, version: int) -> tuple[int, list[str]]:
+    st = hub.api.get("/v1/status")
+    for m in st["models"]:
+        if m["model"] == model:
+            for v in m["versions"]:
+                if v["version"] == version:
+                    nbytes = v["layouts"].get("hf", {}).get("nbytes", 0)
+                    return nbytes, sorted({r["worker_id"] for r in v["replicas"]})
+    return 0, []
+
+
+def parser(engine_help: str, modes: Sequence[str], doc: str) -> argparse.ArgumentParser:
+    """The follow options, the same for every engine (``doc``: the driver's description)."""
+    p = argparse.ArgumentParser(prog="tensorhub follow", description=doc.split("\n\n")[0])
+    p.add_argument("--engine", required=True, help=engine_help)
+    p.add_argument("--model", required=True, help="model name on the coordinator")
+    p.add_argument("--mode", choices=tuple(modes), default=modes[0],
+                   help=f"what pausing does with in-flight requests (default {modes[0]})")
+    p.add_argument("--coordinator", help="coordinator URL (default: $TENSORHUB_COORDINATOR)")
+    p.add_argument("--token-file", help="file holding the API token (default: $TENSORHUB_TOKEN)")
+    p.add_argument("--max-swaps", type=int, default=0, help="stop after this many swaps (0: never)")
+    return p
+
+
+def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tuple[Optional[int], str]],
+           do_swap: Callable[[Any, int, Callable[[float], None]], float]) -> int:
+    """The loop: connect, then for each newer complete version ``do_swap(client, version,
+    show)``, print one line per swap, and keep going after a failed one. ``banner(client)``
+    returns the engine's version and the first line to print."""
+    import httpx
+
+    import tensorhub
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    try:
+        hub = tensorhub.connect(args.coordinator, token=token)
+    except tensorhub.TensorHubError as e:
+        print(f"tensorhub follow: {e}", file=sys.stderr)
+        return 2
+    swaps = 0
+    line = ProgressLine(sys.stderr)
+    with hub, httpx.Client(base_url=base_url, timeout=600) as client:
+        current, first = banner(client)
+        print(first, flush=True)
+        while not args.max_swaps or swaps < args.max_swaps:
+            try:
+                v = hub.wait_for_version(args.model, newer_than=current, timeout=60)
+            except tensorhub.HubTimeoutError:
+                continue
+            except KeyboardInterrupt:
+                return 130
+            nbytes, holders = _holders(hub, args.model, v)
+
+            def show(stall: float, v: int = v) -> None:
+                line.draw(progress_text(hub.api.get("/v1/status", retry_timeout=1.0), args.model, v, stall))
+
+            try:
+                stall = do_swap(client, v, show)
+            except RuntimeError as e:
+                line.done()
+                print(f"v{v}: swap failed, engine kept v{current}: {e}", file=sys.stderr, flush=True)
+                time.sleep(1)
+                continue
+            line.done()
+            swaps += 1
+            current = v
+            print(f"v{v}: stall {stall:.3f}s, {nbytes / 1e6:.1f} MB from holders {', '.join(holders)}",
+                  flush=True)
+    return 0
+
+
+def run(driver: Driver, argv: Optional[Sequence[str]] = None) -> int:
+    """Follow with ``driver`` (parses ``argv``)."""
+    args = parser(driver.engine_help, driver.modes, driver.doc).parse_args(argv)
+    return follow(args, driver.base_url(args.engine), lambda client: driver.banner(client, args),
+                  lambda client, v, show: driver.swap(client, v, args, show))
+
+
+def main(argv: Sequence[str]) -> int:
+    """``tensorhub follow ARGS``: pick the driver from ``--engine``, then follow."""
+    return run(pick(argv), argv)

@@ -1,0 +1,121 @@
+"""The house's structure: dependencies point down, and there is no import circle.
+
+Reads the source (every ``import``, at module level or inside a function) of ``tensorhub``
+and ``integrations``; nothing is imported or run. Fails on ``tensorhub`` importing
+``integrations`` (engine adapters register through entry points instead) and on any
+circle of modules importing each other, naming the modules of each circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("tensorhub", "integrations")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for p in (ROOT / pkg).rglob("*.py"):
+            parts = list(p.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = p
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ours that ``name`` imports (``from pkg import mod`` counts as ``pkg.mod``)."""
+    is_pkg = path.name == "__init__.py"
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                stem = base[: len(base) - node.level + 1]
+                mod = ".".join(stem + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" for a in node.names] + [mod]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {m: _imports(m, p, known) for m, p in mods.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _package_faces(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """A package's ``__init__`` re-exporting its own submodules is not a circle of design:
+    drop the edges from a package to modules inside it."""
+    return {m: {t for t in deps if not t.startswith(m + ".")} for m, deps in graph.items()}
+
+
+def test_the_graph_is_read():
+    g = _graph()
+    assert "tensorhub._fetch" in g["tensorhub.hub"] and "tensorhub._session" in g["tensorhub._fetch"]
+    assert "tensorhub.follow" in g["integrations.vllm.follow"]
+
+
+def test_tensorhub_never_imports_the_engine_adapters():
+    bad = sorted((m, t) for m, deps in _graph().items() if m.startswith("tensorhub")
+                 for t in deps if t.startswith("integrations"))
+    assert not bad, f"tensorhub imports integrations (register a driver instead): {bad}"
+
+
+def test_no_import_circle():
+    circles = _circles(_package_faces(_graph()))
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_a_circle_is_found_when_there_is_one():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
