@@ -49,7 +49,7 @@ def main() -> int:
         def poll() -> None:
             while not stop.is_set():
                 try:
-                    poller.api.get("/v1/models/policy/latest", retry_timeout=0.0)
+                    poller.api.latest("policy", retry_timeout=0.0)
                     answers.append(time.monotonic())
                 except tensorhub.TensorHubError:
                     pass

@@ -1,4 +1,6 @@
-"""HTTP client of the coordinator API: JSON in, JSON out, errors mapped to our tree.
+"""HTTP client of the coordinator API: one method per route, answers as models of
+``_wire``, errors mapped to our tree. The only place (with the server,
+``coordinator.py``) that spells a ``/v1/`` path.
 
 Connection failures and 5xx answers are retried with backoff for up to ``retry_timeout``
 seconds (a coordinator restart looks like that); 4xx answers are not retried.
@@ -11,7 +13,7 @@ import logging
 import ssl
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import httpx
 
@@ -26,6 +28,11 @@ from ._exceptions import (
     NotFoundError,
     RetentionError,
     UnauthorizedError,
+)
+
+from ._wire import (
+    ChunksHeld, HeartbeatAnswer, LeaseGrant, Manifest, Released, Renewed, ReplicaRegistered, Unpublished,
+    VersionAnswer, WorkerRegistered, WorkerRemoved,
 )
 
 __all__ = ["CoordinatorClient"]
@@ -151,3 +158,83 @@ class CoordinatorClient:
 
     def delete(self, path: str, **kw: Any) -> Any:
         return self.request("DELETE", path, **kw)
+
+    # ------------------------------------------------------------------ routes
+    def info(self, **kw: Any) -> dict:
+        return self.get("/v1/info", **kw)
+
+    def status(self, **kw: Any) -> dict:
+        """Everything ``tensorhub status`` shows (models, versions, replicas, workers, leases, fetches)."""
+        return self.get("/v1/status", **kw)
+
+    def models(self, **kw: Any) -> list:
+        return self.get("/v1/models", **kw)
+
+    def register_worker(self, worker_id: str, endpoint: str, locality: Mapping[str, str], **kw: Any) -> WorkerRegistered:
+        return WorkerRegistered.model_validate(self.post("/v1/workers", {
+            "worker_id": worker_id, "endpoint": endpoint, "locality": dict(locality)}, **kw))
+
+    def heartbeat(self, worker_id: str, **kw: Any) -> HeartbeatAnswer:
+        return HeartbeatAnswer.model_validate(self.post(f"/v1/workers/{worker_id}/heartbeat", **kw))
+
+    def remove_worker(self, worker_id: str, **kw: Any) -> WorkerRemoved:
+        return WorkerRemoved.model_validate(self.delete(f"/v1/workers/{worker_id}", **kw))
+
+    def allocate_version(self, model: str, version: Optional[int] = None, request_id: Optional[str] = None,
+                         **kw: Any) -> int:
+        body: dict[str, Any] = {"version": version}
+        if request_id is not None:
+            body["request_id"] = request_id
+        return VersionAnswer.model_validate(self.post(f"/v1/models/{model}/versions", body, **kw)).version
+
+    def latest(self, model: str, *, newer_than: Optional[int] = None, wait: Optional[float] = None,
+               **kw: Any) -> Optional[int]:
+        params: dict[str, Any] = {}
+        if wait is not None:
+            params["wait"] = wait
+        if newer_than is not None:
+            params["newer_than"] = newer_than
+        return VersionAnswer.model_validate(self.get(f"/v1/models/{model}/latest", params=params or None,
+                                                     **kw)).version
+
+    def resolve(self, model: str, group: Optional[str] = None, **kw: Any) -> int:
+        return VersionAnswer.model_validate(self.post(f"/v1/models/{model}/resolve", {"group": group}, **kw)).version
+
+    def register_replica(self, body: Mapping[str, Any], **kw: Any) -> ReplicaRegistered:
+        return ReplicaRegistered.model_validate(self.post("/v1/replicas", dict(body), **kw))
+
+    def manifest(self, model: str, version: int, layout: str = "hf", shard: int = 0, **kw: Any) -> Manifest:
+        return Manifest.model_validate(self.get(f"/v1/models/{model}/versions/{version}/manifest",
+                                                params={"layout": layout, "shard": shard}, **kw))
+
+    def unpublish(self, model: str, version: int, worker_id: str, replica_ids: Optional[Sequence[str]] = None,
+                  **kw: Any) -> Unpublished:
+        body: dict[str, Any] = {"worker_id": worker_id}
+        if replica_ids is not None:
+            body["replica_ids"] = list(replica_ids)
+        return Unpublished.model_validate(self.post(f"/v1/models/{model}/versions/{version}/unpublish", body, **kw))
+
+    def report_replica(self, replica_id: str, worker_id: str, reason: str, **kw: Any) -> None:
+        self.post(f"/v1/replicas/{replica_id}/report", {"worker_id": worker_id, "reason": reason[:1000]}, **kw)
+
+    def report_chunks(self, replica_id: str, worker_id: str, chunks: Sequence[int], lease_ids: Sequence[str],
+                      coming: Sequence[int], **kw: Any) -> int:
+        return ChunksHeld.model_validate(self.post(f"/v1/replicas/{replica_id}/chunks", {
+            "worker_id": worker_id, "chunks": list(chunks), "lease_ids": list(lease_ids),
+            "coming": list(coming)}, **kw)).held
+
+    def acquire_lease(self, body: Mapping[str, Any], **kw: Any) -> LeaseGrant:
+        """A lease (``body``: the ``AcquireLease`` fields)."""
+        return LeaseGrant.model_validate(self.post("/v1/leases", dict(body), **kw))
+
+    def renew_lease(self, lease_id: str, **kw: Any) -> float:
+        return Renewed.model_validate(self.post(f"/v1/leases/{lease_id}/renew", **kw)).ttl
+
+    def release_lease(self, lease_id: str, **kw: Any) -> bool:
+        return Released.model_validate(self.post(f"/v1/leases/{lease_id}/release", **kw)).valid
+
+    #: Telemetry kinds ``report`` sends (``FetchReport``, ``SwapReport``).
+    REPORTS = {"fetch": "/v1/fetches", "swap": "/v1/swaps"}
+
+    def report(self, kind: str, body: Mapping[str, Any], **kw: Any) -> None:
+        self.post(self.REPORTS[kind], dict(body), **kw)

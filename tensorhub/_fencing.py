@@ -69,11 +69,10 @@ def renew_leases(api: Any, leases: list[str], clock: LeaseClock, ttl: float) -> 
     for lid in list(leases):
         sent = time.monotonic()
         try:
-            answer = api.post(f"/v1/leases/{lid}/renew", retry_timeout=2.0)
+            got = api.renew_lease(lid, retry_timeout=2.0)
         except TensorHubError:
             continue
-        got = answer.get("ttl", ttl) if isinstance(answer, Mapping) else ttl
-        clock.renewed(lid, sent, float(got))
+        clock.renewed(lid, sent, got)
 
 
 @dataclass

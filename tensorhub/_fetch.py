@@ -100,12 +100,12 @@ def acquire_lease(session: Session, model: str, version: int, layout: str, shard
     while True:
         try:
             sent = time.monotonic()
-            body = session.as_worker("/v1/leases", {
+            body = {
                 "worker_id": session.worker_id, "model": model, "version": version, "layout": layout,
                 "shard": shard, "max_sources": max_sources, "exclude": sorted(excluded)[:1024],
                 "request_id": secrets.token_hex(12),  # a retried request gets the same lease
-            })
-            grant = LeaseGrant.model_validate(body)
+            }
+            grant = session.as_worker(lambda api: api.acquire_lease(body))
             if grant.version != version:
                 raise FetchError(f"asked for {model!r} v{version} but the lease is for v{grant.version}")
             if clock is not None:
@@ -123,7 +123,7 @@ def release_lease(session: Session, lease_id: str) -> bool:
     from ._exceptions import NotFoundError
 
     try:
-        return bool(session.api.post(f"/v1/leases/{lease_id}/release")["valid"])
+        return session.api.release_lease(lease_id)
     except NotFoundError:
         return False
 
@@ -244,7 +244,7 @@ class PipelinedSources(PlainSources):
                 body["request_id"] = secrets.token_hex(12)  # a retried request gets the same lease
             sent = time.monotonic()
             try:
-                g = LeaseGrant.model_validate(f.session.as_worker("/v1/leases", body))
+                g = f.session.as_worker(lambda api: api.acquire_lease(body))
             except ConflictError as e:
                 if e.code == "lease_lapsed" and self.cur is not None:
                     self.cur = None  # its chunks are re-read after release says so
@@ -330,9 +330,8 @@ class PipelinedSources(PlainSources):
             by_lease[""] = []
         for lid, cs in by_lease.items():
             try:
-                f.session.api.post(f"/v1/replicas/{self.partial_id}/chunks",
-                                   {"worker_id": f.session.worker_id, "chunks": cs,
-                                    "lease_ids": [lid] if lid else [], "coming": sorted(coming)}, retry_timeout=2.0)
+                f.session.api.report_chunks(self.partial_id, f.session.worker_id, cs, [lid] if lid else [],
+                                            sorted(coming), retry_timeout=2.0)
                 self.reported.update(cs)
                 self.said_coming = coming
             except TensorHubError as e:  # lapsed lease or coordinator trouble: not offered
@@ -381,9 +380,9 @@ def withdraw(session: Session, model: str, version: int, replica_id: str, until:
     confirmed by ``until``, a ``time.monotonic()`` deadline)."""
     while True:
         try:
-            r = session.as_worker(f"/v1/models/{model}/versions/{version}/unpublish",
-                                  {"worker_id": session.worker_id, "replica_ids": [replica_id]}, retry_timeout=2.0)
-            if r["drained"]:
+            r = session.as_worker(lambda api: api.unpublish(model, version, session.worker_id, [replica_id],
+                                                            retry_timeout=2.0))
+            if r.drained:
                 return True
         except TensorHubError as e:
             logger.warning("withdrawing worker %s's partial replica of %s v%d: %s", session.worker_id, model,
@@ -475,8 +474,8 @@ class Fetch:
 
         def report(src: Source, reason: str) -> None:
             hub_metrics().source_failures.labels(self.model).inc()
-            self.session.as_worker(f"/v1/replicas/{src.replica_id}/report",
-                                   {"worker_id": self.session.worker_id, "reason": reason[:1000]}, retry_timeout=2.0)
+            self.session.as_worker(lambda api: api.report_replica(src.replica_id, self.session.worker_id, reason,
+                                                                  retry_timeout=2.0))
 
         renew_every = max(0.1, self.session.lease_ttl / 3)
         last_renew = [time.monotonic()]

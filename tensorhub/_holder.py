@@ -31,8 +31,7 @@ def publish(session: Session, holdings: Holdings, checksum: str, model: str, ten
     if not 0 <= shard < num_shards:
         raise ConfigError(f"shard {shard} is not in [0, {num_shards})")
     # A retried allocation (the answer was lost) gets the same number: no skipped version.
-    key_version = session.api.post(f"/v1/models/{model}/versions",
-                                   {"version": version, "request_id": secrets.token_hex(12)})["version"]
+    key_version = session.api.allocate_version(model, version, request_id=secrets.token_hex(12))
     transport = session.transport()
     regions = coalesce([(a, s.nbytes) for a, s in zip(addrs, manifest.tensors)])
     h = Held(model, key_version, layout, shard, num_shards, manifest, addrs, regions, dict(tensors))
@@ -68,20 +67,20 @@ def _withdraw(session: Session, holdings: Holdings, mine: list[Held], model: str
               timeout: Optional[float], retain: bool) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     delay = 0.02
-    body: dict[str, Any] = {"worker_id": session.worker_id}
+    only: Optional[list[str]] = None
     copies: list[Held] = []
     while True:
         try:
-            r = session.as_worker(f"/v1/models/{model}/versions/{version}/unpublish", body)
-            if r["drained"]:
+            r = session.as_worker(lambda api: api.unpublish(model, version, session.worker_id, only))
+            if r.drained:
                 break
             why: TensorHubError = HubTimeoutError(
-                f"unpublish {model!r} v{version}: {r['open_leases']} reader lease(s) still open; "
+                f"unpublish {model!r} v{version}: {r.open_leases} reader lease(s) still open; "
                 "the tensors must stay untouched")
         except RetentionError as e:
             if retain and not copies:
                 copies = [_retain_copy(session, h) for h in mine]
-                body["replica_ids"] = [h.replica_id for h in mine]
+                only = [h.replica_id for h in mine]
                 continue
             why = e
         if deadline is not None and time.monotonic() >= deadline:

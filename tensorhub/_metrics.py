@@ -365,7 +365,7 @@ class Track:
 
         def to_coordinator(p: FetchProgress) -> None:
             if not p.done:
-                hub._outbox.put("/v1/fetches", hub._fetch_report(p, "running"))
+                hub._outbox.put("fetch", hub._fetch_report(p, "running"))
 
         from . import envs
 
@@ -388,11 +388,11 @@ class Outbox:
         self.thread: Optional[threading.Thread] = None
         self.lock = threading.Lock()
 
-    def put(self, path: str, body: dict) -> None:
+    def put(self, kind: str, body: dict) -> None:
         with self.lock:
             if self.stop.is_set():
                 return
-            self.queue.append((path, body))
+            self.queue.append((kind, body))
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name=f"tensorhub-report-{self.hub.worker_id}",
                                                daemon=True)
@@ -405,13 +405,13 @@ class Outbox:
             self.wake.clear()
             while self.queue:
                 try:
-                    path, body = self.queue.popleft()
+                    kind, body = self.queue.popleft()
                 except IndexError:
                     break
                 try:
-                    self.hub._api.post(path, body, retry_timeout=1.0, timeout=5.0)  # type: ignore[union-attr]
+                    self.hub._api.report(kind, body, retry_timeout=1.0, timeout=5.0)  # type: ignore[union-attr]
                 except Exception as e:  # best effort: an old coordinator, an outage, an unknown model
-                    logger.debug("worker %s: report %s not delivered: %s", self.hub.worker_id, path, e)
+                    logger.debug("worker %s: report %s not delivered: %s", self.hub.worker_id, kind, e)
             with self.lock:
                 if self.stop.is_set() and not self.queue:
                     return

@@ -16,7 +16,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 from urllib.parse import urlparse
 
 from . import envs
@@ -24,10 +24,12 @@ from ._client import CoordinatorClient
 from ._exceptions import HubClosedError, NotFoundError, TensorHubError
 from ._holdings import Held, Holdings, unregister_regions
 from ._metrics import FetchProgress, Outbox, hub_metrics
-from ._wire import Locality
+from ._wire import HeartbeatAnswer, Locality
 from .transport import Transport, create_transport
 
 __all__ = ["Session", "data_host"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +120,10 @@ class Session:
     # ------------------------------------------------------------------ registration
     def register_worker(self, retry_timeout: Optional[float] = None) -> None:
         endpoint = self._transport.endpoint if self._transport_started and self._transport else ""
-        r = self.api.post("/v1/workers", {"worker_id": self.worker_id, "endpoint": endpoint,
-                                          "locality": self.locality.model_dump()}, retry_timeout=retry_timeout)
-        self.epoch = r["epoch"]
-        self.lease_ttl = float(r["lease_ttl"])
+        r = self.api.register_worker(self.worker_id, endpoint, self.locality.model_dump(),
+                                     retry_timeout=retry_timeout)
+        self.epoch = r.epoch
+        self.lease_ttl = r.lease_ttl
 
     def reregister(self) -> None:
         """Register the worker and every held replica again, under the holdings' lock, with
@@ -134,28 +136,28 @@ class Session:
             with self.holdings.lock:
                 self.register_worker(retry_timeout=budget)
                 for h in self.holdings.announced():
-                    self.api.post(f"/v1/models/{h.model}/versions", {"version": h.version}, retry_timeout=budget)
-                    h.replica_id = self.api.post("/v1/replicas", self.replica_body(h),
-                                                 retry_timeout=budget)["replica_id"]
+                    self.api.allocate_version(h.model, h.version, retry_timeout=budget)
+                    h.replica_id = self.api.register_replica(self.replica_body(h), retry_timeout=budget).replica_id
         except TensorHubError as e:
             logger.warning("re-registration failed (will retry): %s", e)
 
-    def as_worker(self, path: str, body: Any, **kw: Any) -> Any:
-        """POST a worker-scoped call; if the coordinator forgot us (it restarted), register
-        again (with every held replica) and retry once."""
+    def as_worker(self, call: Callable[[CoordinatorClient], T]) -> T:
+        """A worker-scoped call (``call(api)``); if the coordinator forgot us (it restarted),
+        register again (with every held replica) and retry once."""
         try:
-            return self.api.post(path, body, **kw)
+            return call(self.api)
         except NotFoundError as e:
             if e.code != "unknown_worker":
                 raise
             logger.warning("coordinator forgot worker %s; re-registering", self.worker_id)
             self.reregister()
-            return self.api.post(path, body, **kw)
+            return call(self.api)
 
     def register_replica(self, h: Held, **extra: Any) -> str:
         """Announce a held replica (``extra``: e.g. ``partial=True`` and its chunk grid)."""
-        self.api.post(f"/v1/models/{h.model}/versions", {"version": h.version})
-        return self.as_worker("/v1/replicas", dict(self.replica_body(h), **extra))["replica_id"]
+        self.api.allocate_version(h.model, h.version)
+        body = dict(self.replica_body(h), **extra)
+        return self.as_worker(lambda api: api.register_replica(body)).replica_id
 
     def replica_body(self, h: Held) -> dict:
         return {
@@ -168,13 +170,13 @@ class Session:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
             try:
-                r = self.api.post(f"/v1/workers/{self.worker_id}/heartbeat", retry_timeout=self.heartbeat_interval)
+                r = self.api.heartbeat(self.worker_id, retry_timeout=self.heartbeat_interval)
                 self._count_served(r)
                 q = self.holdings.quarantine
                 if len(q) and self._transport is not None:
                     q.retry(lambda regions: unregister_regions(self._transport, regions))
-                if r.get("epoch") != self.epoch:
-                    logger.warning("coordinator restarted (epoch %s -> %s); re-registering", self.epoch, r["epoch"])
+                if r.epoch != self.epoch:
+                    logger.warning("coordinator restarted (epoch %s -> %s); re-registering", self.epoch, r.epoch)
                     self.reregister()
             except NotFoundError:
                 logger.warning("coordinator forgot worker %s; re-registering its replicas", self.worker_id)
@@ -186,12 +188,12 @@ class Session:
             except Exception:  # pragma: no cover - never let the thread die
                 logger.exception("heartbeat failed")
 
-    def _count_served(self, answer: dict) -> None:
+    def _count_served(self, answer: HeartbeatAnswer) -> None:
         """Turn the coordinator's totals of what this worker served (since it started, or
         since it re-registered us) into this process's ``served`` counter increments."""
-        if "served_bytes" not in answer:
+        if answer.served_bytes is None or answer.served_leases is None:
             return  # an older coordinator
-        epoch, leases, nbytes = answer.get("epoch"), int(answer["served_leases"]), int(answer["served_bytes"])
+        epoch, leases, nbytes = answer.epoch, answer.served_leases, answer.served_bytes
         seen_epoch, seen_leases, seen_bytes = self._served_seen
         if epoch != seen_epoch or leases < seen_leases or nbytes < seen_bytes:
             seen_leases = seen_bytes = 0  # the coordinator counts afresh
@@ -202,9 +204,9 @@ class Session:
             m.served_bytes.inc(nbytes - seen_bytes)
         self._served_seen = (epoch, leases, nbytes)
 
-    def report(self, path: str, body: dict) -> None:
-        """Send telemetry in the background (best effort)."""
-        self._outbox.put(path, body)
+    def report(self, kind: str, body: dict) -> None:
+        """Send telemetry (``fetch`` or ``swap``) in the background (best effort)."""
+        self._outbox.put(kind, body)
 
     def _fetch_report(self, p: FetchProgress, state: str) -> dict:
         return {"worker_id": self.worker_id, "model": p.model, "version": p.version, "layout": p.layout,

@@ -332,3 +332,53 @@ class LeaseGrant(_Model):
 class Error(_Model):
     code: str
     detail: str
+
+
+# ---------------------------------------------------------------------- answers
+class _Answer(BaseModel):
+    """An answer of the coordinator, read by attribute (fields it adds later are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class WorkerRegistered(_Answer):
+    epoch: str
+    worker_ttl: float
+    lease_ttl: float
+
+
+class HeartbeatAnswer(_Answer):
+    epoch: str
+    #: What the worker served since this coordinator started (None: an older coordinator).
+    served_leases: Optional[int] = None
+    served_bytes: Optional[int] = None
+
+
+class WorkerRemoved(_Answer):
+    replicas_dropped: int
+
+
+class VersionAnswer(_Answer):
+    version: Optional[int]
+
+
+class ReplicaRegistered(_Answer):
+    replica_id: str
+    complete: bool
+
+
+class Unpublished(_Answer):
+    drained: bool
+    open_leases: int
+
+
+class ChunksHeld(_Answer):
+    held: int
+
+
+class Renewed(_Answer):
+    ttl: float
+
+
+class Released(_Answer):
+    valid: bool

@@ -113,7 +113,7 @@ def _status(args: argparse.Namespace) -> int:
     api = CoordinatorClient(url, token, retry_timeout=5.0, ca_file=args.ca_file)
     try:
         if args.watch is None:
-            st = api.get("/v1/status")
+            st = api.status()
             print(json.dumps(st, indent=2) if args.json else format_status(st))
             return 0
         return _watch(api, args, sys.stdout)
@@ -129,7 +129,7 @@ def _watch(api: Any, args: argparse.Namespace, out: TextIO) -> int:
     frames = 0
     while True:
         try:
-            st = api.get("/v1/status")
+            st = api.status()
             body = json.dumps(st, indent=2) if args.json else format_status(st)
         except TensorHubError as e:
             body = f"coordinator {api.url} does not answer: {e}"

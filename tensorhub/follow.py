@@ -123,7 +123,7 @@ def progress_text(status: dict, model: str, version: int, stall: float) -> str:
 
 
 def _holders(hub: Any, model: str, version: int) -> tuple[int, list[str]]:
-    st = hub.api.get("/v1/status")
+    st = hub.api.status()
     for m in st["models"]:
         if m["model"] == model:
             for v in m["versions"]:
@@ -176,7 +176,7 @@ def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tupl
             nbytes, holders = _holders(hub, args.model, v)
 
             def show(stall: float, v: int = v) -> None:
-                line.draw(progress_text(hub.api.get("/v1/status", retry_timeout=1.0), args.model, v, stall))
+                line.draw(progress_text(hub.api.status(retry_timeout=1.0), args.model, v, stall))
 
             try:
                 stall = do_swap(client, v, show)

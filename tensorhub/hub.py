@@ -39,11 +39,11 @@ from ._client import CoordinatorClient
 from ._exceptions import ConfigError, HubClosedError, NotFoundError, HubTimeoutError, TensorHubError
 from ._fencing import LeaseClock, Quarantine
 from ._fetch import RELEASE_GRACE as _RELEASE_GRACE, Fetch, FetchOptions, Fetched, acquire_lease, copy_held
-from ._fetch import QUARANTINE as _QUARANTINE, release_checked, release_lease  # noqa: F401 (_QUARANTINE: tests)
+from ._fetch import QUARANTINE as _QUARANTINE, release_checked, release_lease  # noqa: F401 (tests use _QUARANTINE)
 from ._holdings import Holdings
 from ._metrics import FetchProgress, Track, hub_metrics
 from ._session import Session
-from ._wire import LeaseGrant, Locality, Manifest, TensorSpec
+from ._wire import LeaseGrant, Locality, TensorSpec
 from .transport import Transport
 
 __all__ = ["Hub", "Fetched", "connect", "parse_locality"]
@@ -126,7 +126,7 @@ class Hub:
         api = self._session._api
         if api is not None:
             try:
-                api.delete(f"/v1/workers/{self.worker_id}", retry_timeout=2.0)
+                api.remove_worker(self.worker_id, retry_timeout=2.0)
             except TensorHubError as e:
                 logger.debug("worker %s: deregistration failed: %s", self.worker_id, e)
             api.close()
@@ -168,7 +168,7 @@ class Hub:
             body["fetch_seconds"] = max(0.0, fetch_seconds)
         if apply_seconds is not None:
             body["apply_seconds"] = max(0.0, apply_seconds)
-        self._session.report("/v1/swaps", body)
+        self._session.report("swap", body)
 
     # ------------------------------------------------------------------ holder
     def publish(self, model: str, tensors: Mapping[str, Any], *, version: Optional[int] = None,
@@ -201,7 +201,7 @@ class Hub:
     # ------------------------------------------------------------------ reader
     def latest(self, model: str) -> Optional[int]:
         """The newest complete version of ``model``, or None."""
-        return self.api.get(f"/v1/models/{model}/latest")["version"]
+        return self.api.latest(model)
 
     def wait_for_version(self, model: str, *, newer_than: Optional[int] = None,
                          timeout: Optional[float] = None) -> int:
@@ -209,11 +209,9 @@ class Hub:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            params: dict[str, Any] = {"wait": min(left, 30.0)}
-            if newer_than is not None:
-                params["newer_than"] = newer_than
+            wait = min(left, 30.0)
             try:
-                v = self.api.get(f"/v1/models/{model}/latest", params=params, timeout=params["wait"] + 30)["version"]
+                v = self.api.latest(model, newer_than=newer_than, wait=wait, timeout=wait + 30)
             except NotFoundError:
                 v = None
                 time.sleep(min(0.2, left))
@@ -227,7 +225,7 @@ class Hub:
     def resolve(self, model: str, *, group: Optional[str] = None) -> int:
         """The version to fetch: the newest complete one; every caller passing the same
         ``group`` (e.g. one id per TP group and update step) gets the same number."""
-        return self.api.post(f"/v1/models/{model}/resolve", {"group": group})["version"]
+        return self.api.resolve(model, group)
 
     def fetch(self, model: str, version: Optional[int] = None, *, layout: str = "hf", shard: int = 0,
               into: Optional[Mapping[str, Any]] = None, serve: bool = True, group: Optional[str] = None,
@@ -276,7 +274,7 @@ class Hub:
             if track.reporter is None:  # failed before a lease: nothing was read
                 m.fetched(model, "failed", 0, time.monotonic() - t0, 0)
                 if track.version is not None:
-                    self._session.report("/v1/fetches", {"worker_id": self.worker_id, "model": model,
+                    self._session.report("fetch", {"worker_id": self.worker_id, "model": model,
                                                      "version": track.version, "layout": layout, "shard": shard,
                                                      "state": "failed", "seconds": time.monotonic() - t0})
                 return
@@ -286,7 +284,7 @@ class Hub:
                 p = FetchProgress(p.model, p.version, p.layout, p.shard, f.nbytes, p.total, f.seconds,
                                   dict(f.sources), len(f.failed_sources), True)
             m.fetched(model, outcome, p.nbytes, p.seconds, 0)
-            self._session.report("/v1/fetches", self._session._fetch_report(p, outcome))
+            self._session.report("fetch", self._session._fetch_report(p, outcome))
         except Exception:  # pragma: no cover - accounting never breaks a fetch
             logger.debug("fetch accounting failed", exc_info=True)
 
@@ -311,9 +309,7 @@ class Hub:
         self._check_open()
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ConfigError(f"version must be a positive int, got {version!r}")
-        body = self.api.get(f"/v1/models/{model}/versions/{version}/manifest",
-                            params={"layout": layout, "shard": shard})
-        return list(Manifest.model_validate(body).tensors)
+        return list(self.api.manifest(model, version, layout, shard).tensors)
 
     def held(self) -> list[tuple[str, int, str, int]]:
         """(model, version, layout, shard) of every replica this process holds."""

@@ -206,7 +206,7 @@ def choose_layout(st: WorkerState, version: int) -> str:
     if not st.settings.native or st.layout is None:
         return "hf"
     try:
-        for m in st.hub.api.get("/v1/status")["models"]:
+        for m in st.hub.api.status()["models"]:
             if m["model"] == st.settings.model:
                 for v in m["versions"]:
                     if v["version"] == version and v["layouts"].get(st.layout, {}).get("complete"):

@@ -203,7 +203,6 @@ class SeedServer:
         """The held lease of reader ``key``, renewed, and its answer; None if it holds none
         (or the coordinator says it lapsed)."""
         import tensorhub
-        from tensorhub._wire import LeaseGrant
 
         now = time.monotonic()
         with self._lock:
@@ -214,9 +213,9 @@ class SeedServer:
         if not self._renew(key, lease):
             return None
         try:  # the same lease, re-pointed: the coordinator leaves out replicas gone or draining
-            grant = LeaseGrant.model_validate(self.hub.api.post("/v1/leases", {
+            grant = self.hub.api.acquire_lease({
                 "worker_id": self.hub.worker_id, "model": self.model, "version": v, "layout": layout,
-                "shard": rank, "max_sources": self.hub.max_sources, "lease_id": lease.lease_id}))
+                "shard": rank, "max_sources": self.hub.max_sources, "lease_id": lease.lease_id})
         except tensorhub.TensorHubError as e:  # e.g. no replica serving now; the lease stays
             raise SeedError(404, f"tensorhub seed: {e}") from None
         if any(r.replica_id == lease.replica_id for r in grant.replicas if r.chunks is None):
@@ -244,7 +243,7 @@ class SeedServer:
         return r.replica_id, {"rank": rank, "remote_instance_transfer_engine_info": [r.endpoint, weights]}
 
     def _layout(self, v: int) -> tuple[str, int]:
-        st = self.hub.api.get("/v1/status")
+        st = self.hub.api.status()
         m = next((m for m in st["models"] if m["model"] == self.model), None)
         vi = None if m is None else next((x for x in m["versions"] if x["version"] == v), None)
         if vi is None:
@@ -288,7 +287,7 @@ class SeedServer:
         import tensorhub
 
         try:
-            ttl = float(self.hub.api.post(f"/v1/leases/{lease.lease_id}/renew", retry_timeout=2.0)["ttl"])
+            ttl = self.hub.api.renew_lease(lease.lease_id, retry_timeout=2.0)
         except tensorhub.ConflictError as e:
             logger.warning("tensorhub seed: lease %s (%s) lapsed at the coordinator before its lease_seconds "
                            "ran out: its holder may now overwrite what that reader copies (%s)",

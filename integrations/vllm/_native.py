@@ -133,7 +133,7 @@ def copy_into(model: Any, got: Mapping[str, Any]) -> int:
 def available(hub: Any, model: str, version: int, layout: str, shard: int) -> bool:
     """Whether ``version`` is complete in ``layout`` (every shard registered once) and a
     replica of ``shard`` serves it now (not draining, suspect or partial)."""
-    for m in hub.api.get("/v1/status")["models"]:
+    for m in hub.api.status()["models"]:
         if m["model"] == model:
             for v in m["versions"]:
                 if v["version"] == version:

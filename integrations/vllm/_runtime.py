@@ -197,7 +197,7 @@ def _resolve_here(st: WorkerState, requested: Any, on_missing: str, what: str) -
 
     s, hub = st.settings, st.hub
     if requested != "latest":
-        st_all = hub.api.get("/v1/status")
+        st_all = hub.api.status()
         m = next((m for m in st_all["models"] if m["model"] == s.model), None)
         if m is None:
             raise SettingsError(f"tensorhub: setting 'model': unknown model {s.model!r} on {s.coordinator}")

@@ -28,10 +28,12 @@ URL and only ever shows the proxy's behaviour, never the client's real TCP stack
 
 A coordinator in a namespace of its own (``benchmarks/testbed.py``) is out of reach of
 the root namespace: ``Faults(url, netns=...)`` watches it from there, and
-:func:`in_netns` runs any call (e.g. ``httpx.get(url + "/v1/status")``) from there.
+:func:`in_netns` runs any call (e.g. a status request) from there.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import os
 import random
@@ -215,20 +217,21 @@ class Faults:
         trig = Trigger()
 
         def watch() -> None:
-            import httpx
+            from .._client import CoordinatorClient
+            from .._exceptions import TensorHubError
 
             if self.netns is not None:
                 from ._workers import enter_netns
 
                 enter_netns(self.netns)  # this thread only
-            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
             end = time.monotonic() + timeout
+            c = CoordinatorClient(self.url, self.token, timeout=5, retry_timeout=0.0)
             try:
-                with httpx.Client(base_url=self.url, headers=headers, timeout=5) as c:
+                with contextlib.closing(c):
                     while time.monotonic() < end and not trig.cancelled.is_set():
                         try:
-                            reading = self._reading(c.get("/v1/status").json(), reader_worker, source_worker)
-                        except httpx.HTTPError:
+                            reading = self._reading(c.status(), reader_worker, source_worker)
+                        except TensorHubError:
                             reading = False  # the coordinator may be down: keep watching
                         if reading:
                             if trig.cancelled.wait(delay):
