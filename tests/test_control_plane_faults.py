@@ -7,7 +7,9 @@ in a network namespace of its own, the coordinator runs in the core namespace, a
 are shaped with tc so that a read spans the fault. A control-plane cut is a blackhole route
 to the coordinator's address inside one host's namespace (``Faults.cut``): its Mooncake
 traffic to the other hosts goes on. Every fetch is checked tensor by tensor (sha256)
-against the bytes of the version it asked for.
+against the bytes of the version it asked for; the Hubs run without per-chunk checksums
+(``checksum="off"``), so only the protocol (leases, fencing) stands between a reader and
+overwritten memory.
 
 * A: a holder cut off for longer than ``worker_ttl`` while a reader reads from it; it heals,
   re-registers, publishes the next version from its other buffer, unpublishes the old one
@@ -68,6 +70,9 @@ class Bed:
 
     def worker(self, host: str, name: str, **opts: Any) -> Worker:
         opts.setdefault("heartbeat_interval", HEARTBEAT)
+        # The protocol alone must keep the bytes right: with per-chunk checksums, bytes
+        # overwritten under a reader would end as a clear error and hide a fencing defect.
+        opts.setdefault("checksum", "off")
         w = Worker(self.coord.url, name, netns=self.ns(host), data_host=self.tb.hosts[host]["ip"],
                    locality=f"dc=a,zone=z,host={host}", **opts)
         self.made.append(w)
