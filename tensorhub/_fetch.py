@@ -418,6 +418,8 @@ class Fetch:
         self.held: Optional[Held] = None
 
     def run(self) -> Fetched:
+        if self.into is not None:  # refused before asking anyone (no lease, no manifest needed)
+            self.holdings.check_not_served(self.into)
         grant = self.policy.first_grant()
         manifest = grant.manifest
         served = False

@@ -763,9 +763,9 @@ class CoordinatorState:
             return
         if self.restored and now <= self.boot_time + self.config.worker_ttl:
             return
-        if any((r.model, r.version, r.layout, r.shard) == key
+        if any((r.model, r.version, r.layout, r.shard) == key and r.worker_id != reader
                for r in itertools.chain(self.replicas.values(), self.tombstones.values())):
-            return
+            return  # (the reader's own partial replica holds nothing it could read)
         if any((l.model, l.version, l.layout, l.shard) == key and l.expires >= now and l.worker_id != reader
                for l in self.leases.values()):
             return

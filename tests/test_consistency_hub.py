@@ -183,3 +183,13 @@ def test_a_replica_being_unpublished_is_not_announced_again_while_its_fence_runs
     with pytest.raises(FetchError, match="no longer held by anyone"):
         r.fetch("m", v1, timeout=3)
     assert done.wait(15)
+
+
+def test_quarantined_into_is_refused_before_any_lease_is_asked_for(hubs):
+    r = hubs("r")
+    into = {k: torch.empty_like(x) for k, x in weights(1).items()}
+    r._quarantine.add(into, into, "peers may still read it (test)")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="quarantined"):
+        r.fetch("m", 7, into=into, serve=False, timeout=30)  # no such version: never asked
+    assert time.monotonic() - t0 < 2

@@ -235,3 +235,17 @@ def test_metrics_view_counts_fenced_replicas_and_pauses():
     assert view["models"]["m"]["replicas"]["fenced"] == 1 and view["pauses"] == 0
     st.expire(40)  # paused 28 s
     assert st.metrics_view(40)["pauses"] == 1
+
+
+def test_version_gone_does_not_count_the_readers_own_partial_replica():
+    st = ticking(StateConfig(), "h", "r")
+    v1 = st.allocate_version(0, "m")
+    st.register_replica(0, reg("h", v1, 4096))
+    g = st.acquire_lease(0, AcquireLease(worker_id="r", model="m", version=v1, pipelined=True))
+    st.register_replica(0, reg("r", v1, 9000, partial=True, chunk_bytes=g.chunk_bytes, num_chunks=1))
+    st.register_replica(0, reg("h", st.allocate_version(0, "m"), 8192))
+    st.release_lease(0.1, g.lease_id)
+    assert st.unpublish(0.2, "h", "m", v1) == (True, 0)
+    with pytest.raises(ConflictError) as e:  # only its own partial replica is left: gone
+        st.acquire_lease(0.3, AcquireLease(worker_id="r", model="m", version=v1, pipelined=True))
+    assert e.value.code == "version_gone"
