@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from ._checksum import verifier
-from ._exceptions import ConflictError, FetchError, LeaseLapsedError, TensorHubError, TensorMismatchError
+from ._exceptions import (
+    ConflictError, FetchError, LeaseLapsedError, NotFoundError, TensorHubError, TensorMismatchError,
+)
 from ._fencing import LeaseClock, renew_leases
 from ._holdings import Held, Holdings, register_regions, unregister_regions
 from ._metrics import Track, hub_metrics
@@ -120,8 +122,6 @@ def acquire_lease(session: Session, model: str, version: int, layout: str, shard
 
 def release_lease(session: Session, lease_id: str) -> bool:
     """Release a lease; True if the coordinator says it stayed valid."""
-    from ._exceptions import NotFoundError
-
     try:
         return session.api.release_lease(lease_id)
     except NotFoundError:
@@ -429,8 +429,7 @@ class Fetch:
                 self.keep = select(manifest, self.names, self.model, self.version)
                 manifest = Manifest.model_construct(tensors=[manifest.tensors[i] for i in self.keep])
             if self.into is not None:
-                local = check_into(manifest, self.into)
-                self.holdings.check_not_served(self.into)
+                local = check_into(manifest, self.into)  # served/quarantined: checked before the lease
                 self.out = dict(self.into)
             else:
                 self.buf, self.out = allocate_like(manifest)
