@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from tensorhub.testing import CoordinatorProcess, Worker
+import tensorhub
+from tensorhub.testing import CoordinatorProcess, InMemoryTransport, Worker
 
 # Mooncake's glog chatter goes to stderr of every process; keep test output readable.
 os.environ.setdefault("GLOG_minloglevel", "2")
@@ -27,6 +28,22 @@ def embedded(tmp_path):
 
     with EmbeddedCoordinator(tmp_path / "state", config=StateConfig(lease_ttl=5.0, worker_ttl=3.0)) as c:
         yield c
+
+
+@pytest.fixture
+def connect(embedded):
+    """Make Hubs on the embedded coordinator (in-memory transport unless given); all closed afterwards."""
+    made = []
+
+    def make(name: str, transport=None, **kw):
+        h = tensorhub.connect(embedded.url, worker_id=name, transport=transport or InMemoryTransport(),
+                              heartbeat_interval=0.2, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
 
 
 @pytest.fixture

@@ -142,21 +142,6 @@ def test_wrong_checksum_count_is_a_clear_4xx(embedded):
 
 
 # ---------------------------------------------------------------- client, in-memory transport
-@pytest.fixture
-def connect(embedded):
-    made = []
-
-    def make(name: str, **kw):
-        h = tensorhub.connect(embedded.url, worker_id=name, transport=InMemoryTransport(),
-                              heartbeat_interval=0.2, **kw)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
-
-
 def weights(seed: int, mib: int = 8, n: int = 4) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {f"w{i}": torch.randn((mib * MiB) // n // 4, generator=g) for i in range(n)}

@@ -30,23 +30,8 @@ def weights(seed: int, n: int = 4) -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.randn(MiB // 4, generator=g) for i in range(n)}
 
 
-@pytest.fixture
-def hubs(embedded):
-    made = []
-
-    def make(name: str, url=None, **kw):
-        h = tensorhub.connect(url or embedded.url, worker_id=name, transport=InMemoryTransport(),
-                              heartbeat_interval=0.2, **kw)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
-
-
-def test_a_version_nobody_can_serve_fails_at_once_naming_the_newest(hubs):
-    t, r = hubs("trainer"), hubs("reader")
+def test_a_version_nobody_can_serve_fails_at_once_naming_the_newest(connect):
+    t, r = connect("trainer"), connect("reader")
     v1 = t.publish("m", weights(1))
     v2 = t.publish("m", weights(2))
     t.unpublish("m", v1)
@@ -57,8 +42,8 @@ def test_a_version_nobody_can_serve_fails_at_once_naming_the_newest(hubs):
     assert torch.equal(r.fetch("m", v2, serve=False)["w0"], weights(2)["w0"])  # the service keeps serving
 
 
-def test_allocation_retries_with_one_request_id_get_one_number(embedded, hubs):
-    hubs("t")  # the model exists once someone publishes; allocation itself needs no worker
+def test_allocation_retries_with_one_request_id_get_one_number(embedded, connect):
+    connect("t")  # the model exists once someone publishes; allocation itself needs no worker
     api = tensorhub.connect(embedded.url, worker_id="api", transport=InMemoryTransport()).api
     a = api.post("/v1/models/m/versions", {"request_id": "lost-answer-1"})["version"]
     b = api.post("/v1/models/m/versions", {"request_id": "lost-answer-1"})["version"]
@@ -93,8 +78,8 @@ def test_reader_does_not_trust_a_lease_that_lapsed_before_a_coordinator_restart(
         c.stop()
 
 
-def test_release_after_the_readers_own_bound_is_not_trusted_even_if_the_coordinator_says_valid(hubs):
-    t, r = hubs("t"), hubs("r")
+def test_release_after_the_readers_own_bound_is_not_trusted_even_if_the_coordinator_says_valid(connect):
+    t, r = connect("t"), connect("r")
     v = t.publish("m", weights(1))
     clock = LeaseClock()
     g = r._acquire("m", v, "hf", 0, set(), time.monotonic() + 10, clock)
@@ -104,8 +89,8 @@ def test_release_after_the_readers_own_bound_is_not_trusted_even_if_the_coordina
     assert r._release_checked([g2.lease_id], clock) == []
 
 
-def test_holder_that_learns_it_was_expired_waits_a_lease_ttl_before_overwriting(embedded, hubs):
-    t, r = hubs("t"), hubs("r")
+def test_holder_that_learns_it_was_expired_waits_a_lease_ttl_before_overwriting(embedded, connect):
+    t, r = connect("t"), connect("r")
     w1 = weights(1)
     v1 = t.publish("m", w1)
     t.publish("m", weights(2))
@@ -125,8 +110,8 @@ def test_holder_that_learns_it_was_expired_waits_a_lease_ttl_before_overwriting(
     assert r.fetch("m", serve=False).version == v1 + 1
 
 
-def test_fetch_into_quarantined_memory_is_refused(hubs):
-    t, r = hubs("t"), hubs("r")
+def test_fetch_into_quarantined_memory_is_refused(connect):
+    t, r = connect("t"), connect("r")
     v = t.publish("m", weights(1))
     into = {k: torch.empty_like(x) for k, x in weights(1).items()}
     r._quarantine.add(into, into, "peers may still read it (test)")
@@ -136,10 +121,10 @@ def test_fetch_into_quarantined_memory_is_refused(hubs):
 
 
 @pytest.mark.parametrize("step", [-3600.0, 3600.0])
-def test_a_wall_clock_step_changes_no_answer(monkeypatch, hubs, embedded, step):
+def test_a_wall_clock_step_changes_no_answer(monkeypatch, connect, embedded, step):
     """Rule 1: the coordinator (real HTTP, in this process) decides leases and liveness
     on the monotonic clock; the wall clock jumps by an hour either way mid-read."""
-    t, r = hubs("t"), hubs("r")
+    t, r = connect("t"), connect("r")
     w = weights(1)
     v = t.publish("m", w)
     t.publish("m", weights(2))
@@ -157,13 +142,13 @@ def test_a_wall_clock_step_changes_no_answer(monkeypatch, hubs, embedded, step):
     monkeypatch.setattr(time, "time", real)
 
 
-def test_a_replica_being_unpublished_is_not_announced_again_while_its_fence_runs(embedded, hubs):
+def test_a_replica_being_unpublished_is_not_announced_again_while_its_fence_runs(embedded, connect):
     """The race the model check found with the holder fence: a re-registration during
     unpublish's fence wait announced the replica again, a reader leased it, and the holder
     overwrote it when the wait ended."""
     import threading
 
-    t, r = hubs("t"), hubs("r")
+    t, r = connect("t"), connect("r")
     v1 = t.publish("m", weights(1))
     t.publish("m", weights(2))
     coord = embedded.coordinator
@@ -185,8 +170,8 @@ def test_a_replica_being_unpublished_is_not_announced_again_while_its_fence_runs
     assert done.wait(15)
 
 
-def test_quarantined_into_is_refused_before_any_lease_is_asked_for(hubs):
-    r = hubs("r")
+def test_quarantined_into_is_refused_before_any_lease_is_asked_for(connect):
+    r = connect("r")
     into = {k: torch.empty_like(x) for k, x in weights(1).items()}
     r._quarantine.add(into, into, "peers may still read it (test)")
     t0 = time.monotonic()

@@ -30,21 +30,6 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.fixture
-def connect(embedded):
-    made = []
-
-    def make(name: str, transport=None, **kw):
-        h = tensorhub.connect(embedded.url, worker_id=name, transport=transport or InMemoryTransport(),
-                              heartbeat_interval=0.2, **kw)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
-
-
 def test_publish_fetch_into_and_serve(connect):
     pub, a, b = connect("pub"), connect("a"), connect("b")
     w = weights(1)
