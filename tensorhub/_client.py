@@ -52,7 +52,7 @@ def error_from_response(resp: httpx.Response) -> CoordinatorError:
     except Exception:
         code, detail = "", resp.text[:500]
     cls = _BY_CODE.get(code) or _BY_STATUS.get(resp.status_code) or CoordinatorError
-    return cls(resp.status_code, detail, code)
+    return cls(detail, code, status=resp.status_code)
 
 
 def tls_verify(ca_file: Optional[str] = None, verify: bool = True) -> Any:
@@ -131,7 +131,7 @@ class CoordinatorClient:
             except httpx.TransportError as e:
                 if _tls_failure(e):  # permanent: retrying cannot help
                     raise CoordinatorUnavailableError(
-                        0, f"TLS handshake with {self.url} failed ({e}); pass ca_file= / --ca-file or set "
+                        f"TLS handshake with {self.url} failed ({e}); pass ca_file= / --ca-file or set "
                         "TENSORHUB_CA_FILE to the CA that signed the coordinator's certificate", "tls",
                     ) from None
                 problem: str = f"{type(e).__name__}: {e}"
@@ -143,7 +143,7 @@ class CoordinatorClient:
                 problem = f"HTTP {resp.status_code}: {resp.text[:200]}"
             if time.monotonic() + delay > deadline:
                 raise CoordinatorUnavailableError(
-                    0, f"coordinator {self.url} unreachable for {budget:.0f}s ({method} {path}): {problem}",
+                    f"coordinator {self.url} unreachable for {budget:.0f}s ({method} {path}): {problem}",
                     "unavailable",
                 )
             logger.debug("coordinator %s %s failed (%s); retrying in %.2fs", method, path, problem, delay)

@@ -33,7 +33,10 @@ from fastapi import Body, FastAPI, Path as PathParam, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from ._exceptions import CoordinatorError
+from ._exceptions import (
+    ConflictError, CoordinatorError, InvalidRequestError, NotFoundError, UnauthorizedError,
+)
+from ._catalog import Catalog
 from ._metrics import CoordinatorMetrics
 from ._state import CoordinatorState, StateConfig
 from ._store import SqliteStore
@@ -113,13 +116,9 @@ class Coordinator:
             return fn(*args)
 
     def _reload(self) -> None:
-        fresh = CoordinatorState.restore(self.store.load(), self.config, now=self.clock())
-        fresh.epoch, fresh.boot_time, fresh.restored = self.state.epoch, self.state.boot_time, self.state.restored
-        fresh.workers, fresh.replicas, fresh.leases = self.state.workers, self.state.replicas, self.state.leases
-        fresh.tombstones, fresh.lease_requests = self.state.tombstones, self.state.lease_requests
-        fresh.clock, fresh.pauses = self.state.clock, self.state.pauses
-        fresh.fetching = self.state.fetching
-        self.state = fresh
+        """Memory ran ahead of disk: the catalog is read back from the store; the soft
+        registry (and everything else in memory) stays."""
+        self.state.catalog = Catalog.restore(self.store.load())
 
     def expire(self) -> None:
         with self.lock:
@@ -200,7 +199,7 @@ class _FastHeartbeat:
             w = self.coord.call(lambda now: self.coord.state.heartbeat(now, wid))
             resp = JSONResponse(_heartbeat_answer(self.coord, w))
         except CoordinatorError as e:
-            resp = JSONResponse({"code": e.code or "error", "detail": e.message}, e.status or 500)
+            resp = error_response(e)
         await resp(scope, receive, send)
 
 
@@ -208,6 +207,17 @@ def _heartbeat_answer(coord: Coordinator, w: Any) -> dict:
     """The epoch, and what the worker served since this coordinator started (its Hub turns
     these totals into its ``tensorhub_hub_served_*`` counters)."""
     return {"epoch": coord.state.epoch, "served_leases": w.served_leases, "served_bytes": w.served_bytes}
+
+
+#: The HTTP status of each refusal of the state machine (which knows no HTTP); the first
+#: class in an error's MRO listed here decides, anything else is a 500.
+_HTTP_STATUS = {UnauthorizedError: 401, NotFoundError: 404, ConflictError: 409, InvalidRequestError: 422}
+
+
+def error_response(e: CoordinatorError) -> JSONResponse:
+    """The answer to a refused request: ``{"code", "detail"}`` with the refusal's status."""
+    status = e.status or next((_HTTP_STATUS[c] for c in type(e).__mro__ if c in _HTTP_STATUS), 500)
+    return JSONResponse({"code": e.code or "error", "detail": e.message}, status)
 
 
 class _PrometheusText(Response):
@@ -233,7 +243,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
 
     @app.exception_handler(CoordinatorError)
     async def _coordinator_error(request: Request, exc: CoordinatorError) -> JSONResponse:
-        return JSONResponse({"code": exc.code or "error", "detail": exc.message}, exc.status or 500)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
