@@ -424,10 +424,14 @@ class Proc:
         self.name, self.timeout = name, timeout
         self.proc = ctx.Process(target=_child, args=(child, url, name, device, env, options), daemon=True)
         self.proc.start()
-        kind, msg = self._recv(timeout)
+
+    def ready(self) -> "Proc":
+        """Wait for the Hub to be connected (processes start in parallel, then each is awaited)."""
+        kind, msg = self._recv(self.timeout)
         if kind == "error":
             self.close()
-            raise CheckFailed(f"{name} did not start: {msg}")
+            raise CheckFailed(f"{self.name} did not start: {msg}")
+        return self
 
     def _recv(self, timeout: float) -> Any:
         if not self.conn.poll(timeout):
@@ -488,20 +492,15 @@ def data_plane(protocol: str, device: str, nbytes: int, work: Path, timeout: flo
         url = coord.start()
         opts = {"chunk_bytes": max(MiB, nbytes // 8)}
 
-        def proc(name: str) -> Proc:
-            p = Proc(url, name, device, child_env, timeout, **opts)
-            procs.append(p)
-            return p
-
+        procs += [Proc(url, name, device, child_env, timeout, **opts) for name in ("holder-a", "holder-b", "reader-c")]
         try:
-            a = proc("holder-a")
+            a, b, c = (p.ready() for p in procs)
         except CheckFailed as e:
             if protocol == "tcp":
                 raise
             return {**out, "status": "unsupported", "reason": f"TensorHub's transport cannot start on it: {e}"}
         pub = a.call("publish", seed=1, nbytes=nbytes)
         v, total = pub["version"], pub["nbytes"]
-        b = proc("holder-b")
         # A one-tensor read first: the P2P handshake is not part of any figure.
         b.call("fetch", version=v, seed=1, nbytes=nbytes, dest="fresh", serve=False, names=["layers.0.weight"])
         b.call("alloc", version=v)
@@ -515,7 +514,6 @@ def data_plane(protocol: str, device: str, nbytes: int, work: Path, timeout: flo
             out["paths"].append(r)
             require(r["bytes_verified"], f"{protocol}: fetch into {dest} memory: bytes differ in {r['differing']}")
             require(set(r["sources"]) == {"holder-a"}, f"{protocol}: B read from {r['sources']}, not holder A alone")
-        c = proc("reader-c")
         r = c.call("fetch", version=v, seed=1, nbytes=nbytes, dest="fresh", serve=False)
         r["path"] = "C <- A + B striped, into new device memory" if device != "cpu" else "C <- A + B striped"
         out["paths"].append(r)
@@ -542,8 +540,8 @@ def native_layout(device: str, hidden: int, layers: int, work: Path, timeout: fl
     shape = {"hidden": hidden, "layers": layers}
     try:
         url = coord.start()
-        trainer, e1, e2 = (Proc(url, n, device, env, timeout) for n in ("trainer", "engine-1", "engine-2"))
-        procs += [trainer, e1, e2]
+        procs += [Proc(url, n, device, env, timeout) for n in ("trainer", "engine-1", "engine-2")]
+        trainer, e1, e2 = (p.ready() for p in procs)
         v1 = trainer.call("native_trainer_publish", seed=1, **shape)["version"]
         load = e1.call("native_load_hf", version=v1, seed=1, **shape)
         require(load["bytes_verified"], f"E1's parameters after loading hf v{v1} differ in {load['differing']}")
@@ -606,6 +604,95 @@ def baselines(device: str, nbytes: int) -> list[dict]:
     return out
 
 
+def _raw_peer(conn: Any, role: str, protocol: str, device: str, nbytes: int, env: dict) -> None:
+    """One side of a raw Mooncake read (no TensorHub): the server registers a patterned
+    buffer, the client reads it whole with ``transfer_sync_read`` and compares on ``device``."""
+    os.environ.update(env)
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    try:
+        import ctypes
+
+        import torch
+        from mooncake.engine import TransferEngine
+
+        if device != "cpu":
+            torch.cuda.set_device(torch.device(device))
+        te = TransferEngine()
+        rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "")
+        require(rc == 0, f"TransferEngine.initialize(..., {protocol!r}) returned {rc}")
+        pattern = torch.Generator().manual_seed(7)
+        want = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=pattern).to(device)
+        buf = want if role == "server" else torch.zeros_like(want)
+        rc = te.register_memory(buf.data_ptr(), nbytes)
+        require(rc == 0, f"register_memory({device} memory) returned {rc}")
+        scratch = ctypes.create_string_buffer(64)  # what TensorHub's transport registers first
+        host_rc = te.register_memory(ctypes.addressof(scratch), 64) if device != "cpu" else 0
+        if role == "server":
+            conn.send(("ok", {"peer": f"127.0.0.1:{te.get_rpc_port()}", "addr": buf.data_ptr(), "host_rc": host_rc}))
+            conn.recv()  # serve until the client is done
+            conn.send(("ok", None))
+            return
+        peer, addr = conn.recv()
+        times = []
+        for _ in range(4):  # the first includes the handshake (and on NVLink the IPC mapping)
+            buf.zero_()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            rc = te.transfer_sync_read(peer, buf.data_ptr(), addr, nbytes)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            require(rc == 0, f"transfer_sync_read returned {rc}")
+        same = torch.equal(buf, want)
+        conn.send(("ok", {"nbytes": nbytes, "seconds": min(times[1:]), "first_s": times[0],
+                          "gbps": nbytes / min(times[1:]) / 1e9, "bytes_verified": same}))
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def raw_read(protocol: str, device: str, nbytes: int, timeout: float) -> dict:
+    """Mooncake alone, one ``transfer_sync_read`` of ``nbytes`` between two processes: the
+    ceiling TensorHub's fetch over ``protocol`` is set against (and, where TensorHub cannot
+    use the protocol, what it would give)."""
+    env = {k: v for k, v in protocol_env(protocol).items() if v}
+    for k in protocol_env(protocol):
+        os.environ.pop(k, None)
+    ctx = mp.get_context("spawn")
+    ends = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_raw_peer, args=(child, role, "tcp" if protocol == "tcp" else protocol, device,
+                                                 nbytes, env), daemon=True)
+             for (_, child), role in zip(ends, ("server", "client"))]
+    (server, _), (client, _) = ends
+
+    def recv(conn: Any, who: str) -> Any:
+        if not conn.poll(timeout):
+            raise CheckFailed(f"raw {protocol} read: the {who} did not answer within {timeout:.0f}s")
+        kind, msg = conn.recv()
+        if kind == "error":
+            raise CheckFailed(f"raw {protocol} read, {who}: {msg}")
+        return msg
+
+    try:
+        for p in procs:
+            p.start()
+        info = recv(server, "server")
+        client.send((info["peer"], info["addr"]))
+        res = recv(client, "client")
+        server.send("done")
+        recv(server, "server")
+        require(res["bytes_verified"], f"raw {protocol} read: the bytes differ")
+        res.update(protocol=protocol, status="ok", path=f"raw Mooncake read, one call ({nbytes // MiB} MiB)")
+        if device != "cpu":
+            res["host_register_rc"] = info["host_rc"]  # 0: host memory can be registered too
+        return res
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
 def nvlink_probe(engine_so: Optional[str]) -> Optional[str]:
     """None when the Mooncake build has the intra-node NVLink transport, else why not."""
     if engine_so is None:
@@ -631,12 +718,12 @@ def environment(device: str) -> dict:
             break
         except md.PackageNotFoundError:
             continue
-    # torch first, as in every worker: it loads the CUDA runtime the CUDA build of Mooncake links.
-    r = subprocess.run([sys.executable, "-c", "import torch, mooncake.engine as e; print(e.__file__)"],
-                       capture_output=True, text=True)
-    env["mooncake_engine"] = r.stdout.strip() if r.returncode == 0 else None
-    if r.returncode != 0:
-        env["mooncake_error"] = r.stderr.strip()[-600:]
+    try:  # torch is loaded, as in every worker: it brings the CUDA runtime Mooncake's CUDA build links
+        import mooncake.engine as engine
+
+        env["mooncake_engine"] = engine.__file__
+    except (ImportError, OSError) as e:
+        env["mooncake_engine"], env["mooncake_error"] = None, f"{type(e).__name__}: {e}"
     return env
 
 
@@ -653,6 +740,12 @@ def table(report: dict) -> str:
         for p in flow["paths"]:
             rows.append(f"{'[' + flow['protocol'] + '] ' + p['path']:58} {p['nbytes'] / 1e6:8.1f} {p['gbps'] or 0:7.2f} "
                         f"{p['wall_gbps']:9.2f}  {'verified' if p['bytes_verified'] else 'DIFFER'}")
+    for r in report.get("raw", []):
+        if r.get("status") == "ok":
+            rows.append(f"{'[' + r['protocol'] + '] ' + r['path']:58} {r['nbytes'] / 1e6:8.1f} {r['gbps']:7.2f} {'':9}  "
+                        f"{'verified' if r['bytes_verified'] else 'DIFFER'}")
+        else:
+            rows.append(f"[{r['protocol']}] raw Mooncake read {r.get('status')}: {r.get('reason')}")
     nat = report.get("native") or {}
     if nat.get("status") == "ok":
         for key, label in (("raw_start", "native raw start (fetch to host + copy in)"),
@@ -683,7 +776,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"gpu_check: {reason}", flush=True)
     nbytes = (args.mib or (512 if gpu else 16)) * MiB
     hidden, layers = (2048, 8) if gpu else (256, 2)
-    report: dict[str, Any] = {"mode": "gpu" if gpu else "cpu", "reason": reason, "ok": False, "flows": [],
+    report: dict[str, Any] = {"mode": "gpu" if gpu else "cpu", "reason": reason, "ok": False, "flows": [], "raw": [],
                               "baselines": [], "wheels": {}, "baseline_bytes": nbytes,
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     work = Path(tempfile.mkdtemp(prefix="tensorhub-gpu-check-"))
@@ -712,6 +805,15 @@ def run(args: argparse.Namespace) -> int:
                     raise
                 report["flows"].append({"protocol": proto, "status": "unsupported", "reason": str(e)})
                 print(f"gpu_check: {proto}: TensorHub does not run on it: {e}", flush=True)
+        for proto in protocols:
+            print(f"gpu_check: raw Mooncake read over {proto}", flush=True)
+            try:
+                report["raw"].append(raw_read(proto, device, nbytes, args.timeout))
+            except CheckFailed as e:
+                if proto == "tcp":
+                    raise
+                report["raw"].append({"protocol": proto, "status": "failed", "reason": str(e)})
+                print(f"gpu_check: {e}", flush=True)
         print("gpu_check: engine-native layout", flush=True)
         report["native"] = native_layout(device, hidden, layers, work, args.timeout, args.hold)
         report["ok"] = True

@@ -30,9 +30,10 @@ mkdir -p "$OUT" "$WORK"
 fail() { echo "GPU CHECK FAILED: $*" >&2; exit 1; }
 t0=$(date +%s)
 
-"$PYTHON" -c "import torch" 2>/dev/null || fail "$PYTHON cannot import torch"
-gpu=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")
-echo "gpu_check.sh: $("$PYTHON" -c 'import sys, torch; print(sys.executable, sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'); GPU available: $gpu"
+info=$("$PYTHON" -c 'import sys, torch; print(int(torch.cuda.is_available()), sys.version.split()[0], torch.__version__, torch.version.cuda)') \
+    || fail "$PYTHON cannot import torch"
+read -r gpu pyver torchver torchcuda <<<"$info"
+echo "gpu_check.sh: $PYTHON: Python $pyver, torch $torchver (CUDA $torchcuda); GPU available: $gpu"
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$gpu" = 1 ]; then
@@ -44,7 +45,7 @@ if [ "$gpu" = 1 ]; then
     echo "gpu_check.sh: installing ${reqs[*]} $mooncake from gpu_wheels/ into $SITE"
     PIP_CONSTRAINT= "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --find-links "$WHEELS" \
         --only-binary=:all: --target "$SITE" "${reqs[@]}" "$mooncake" \
-        || fail "pip could not install the carried wheels (is this Python $("$PYTHON" -c 'import sys; print(sys.version.split()[0])') among 3.10-3.13?)"
+        || fail "pip could not install the carried wheels (is Python $pyver among 3.10-3.13?)"
     tar xzf "$WHEELS"/mooncake-libs-*.tar.gz -C "$SITE" || fail "could not unpack gpu_wheels/mooncake-libs-*.tar.gz"
     export PYTHONPATH="$SITE:$PYTHONPATH"
     libs=$("$PYTHON" benchmarks/gpu_check.py libpath "$SITE" --wheels "$WHEELS" --work "$WORK/libs")

@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh in CPU mode: the GPU check's every step but the device calls.
 
 The script (benchmarks/gpu_check.py) runs a real coordinator and worker processes over
-Mooncake TCP, the engine-native layout's start / swap / drain rule, the baselines and, when
+Mooncake TCP, a raw Mooncake read, the engine-native layout's start / swap / drain rule, the
+baselines and, when
 gpu_wheels/ exists, the offline resolution of the carried wheels. Here it must say that
 there is no GPU, pass, and write figures whose bytes were verified; a failing step must exit
 non-zero with the reason.
@@ -54,6 +55,9 @@ def test_cpu_mode_runs_every_cpu_possible_step_and_verifies_the_bytes(tmp_path):
     striped = paths["fresh-striped"]["sources"]
     assert set(striped) == {"holder-a", "holder-b"} and min(striped.values()) > 0  # read from both holders
 
+    raw = {r["protocol"]: r for r in rep["raw"]}
+    assert set(raw) == {"tcp"} and raw["tcp"]["bytes_verified"] is True and raw["tcp"]["gbps"] > 0
+
     nat = rep["native"]
     assert nat["status"] == "ok" and nat["layout"].startswith("vllm-") and nat["bytes_verified"] is True
     assert nat["raw_start"]["sources"] == {"engine-1": nat["nbytes"]} and nat["raw_start"]["gbps"] > 0
@@ -70,7 +74,7 @@ def test_cpu_mode_runs_every_cpu_possible_step_and_verifies_the_bytes(tmp_path):
         assert rep["wheels"]["checked"] is False and "fetch_gpu_wheels" in rep["wheels"]["reason"]
 
     text = (tmp_path / "gpu_check.txt").read_text()
-    assert text.count("verified") == 6 and "torch host memcpy" in text and text.rstrip().endswith("OK")
+    assert text.count("verified") == 7 and "torch host memcpy" in text and text.rstrip().endswith("OK")
     gpu_tests = (tmp_path / "pytest_gpu.txt").read_text()
     assert "skipped" in gpu_tests and "failed" not in gpu_tests and "error" not in gpu_tests.lower()
 
