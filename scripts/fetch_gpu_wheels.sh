@@ -37,7 +37,7 @@ PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command 
 DEST=${DEST:-gpu_wheels}
 PY_VERSIONS=${PY_VERSIONS:-"3.10 3.11 3.12 3.13"}
 MAX_MIB=${MAX_MIB:-55}
-# What TensorHub imports at run time and the Mooncake pin: one list, in benchmarks/gpu_check.py
+# What TensorHub imports at run time and the Mooncake pin: one list, in benchmarks/_gpu_carry.py
 # (which checks the folder against it and installs from it on the device).
 mapfile -t REQS < <("$PYTHON" benchmarks/gpu_check.py requirements)
 MOONCAKE_PIN=$("$PYTHON" benchmarks/gpu_check.py requirements --mooncake)
