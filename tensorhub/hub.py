@@ -30,7 +30,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from . import _holder
+from . import _delta_path, _holder
 from ._client import CoordinatorClient
 from ._exceptions import ConfigError, HubClosedError, NotFoundError, HubTimeoutError, TensorHubError
 from ._fencing import LeaseClock, Quarantine
@@ -152,15 +152,37 @@ class Hub:
 
     # ------------------------------------------------------------------ holder
     def publish(self, model: str, tensors: Mapping[str, Any], *, version: Optional[int] = None,
-                layout: str = "hf", shard: int = 0, num_shards: int = 1) -> int:
+                layout: str = "hf", shard: int = 0, num_shards: int = 1, base: Optional[int] = None,
+                base_tensors: Optional[Mapping[str, Any]] = None) -> int:
         """Register ``tensors`` in place as ``model``'s version (new when ``version`` is None).
 
         No copy: the tensors must stay unchanged until ``unpublish`` returns. With several
         shards, one rank publishes with ``version=None`` and passes the number it got to the
-        others (``version=v``). The version is complete once every shard has a replica."""
+        others (``version=v``). The version is complete once every shard has a replica.
+
+        ``base=b``: also publish the version's delta against v``b`` (layout ``delta:<b>``,
+        ``tensorhub._delta_path``), which readers holding v``b`` fetch instead of the full
+        bytes. The base is this process's replica of v``b``, or ``base_tensors`` (exactly
+        v``b``'s bytes; checked against its checksums before anything is published)."""
         self._check_open()
-        return _holder.publish(self._session, self._holdings, self.checksum, model, tensors, version=version,
-                               layout=layout, shard=shard, num_shards=num_shards)
+        # --- delta versions (issue #16): check the base before anything is published
+        base_copy = None
+        if base is not None or base_tensors is not None:
+            if base is None:
+                raise ConfigError("publish(base_tensors=...) needs base= (the version they hold)")
+            base_copy = _delta_path.check_base(self._session, self._holdings, model, tensors, base, base_tensors,
+                                               layout, shard)
+        # ---
+        v = _holder.publish(self._session, self._holdings, self.checksum, model, tensors, version=version,
+                            layout=layout, shard=shard, num_shards=num_shards)
+        if base_copy is not None:  # the full version stands even if its delta cannot be published
+            try:
+                _delta_path.publish_delta(self._session, self._holdings, self.checksum, model, tensors, base_copy,
+                                          version=v, layout=layout, shard=shard, num_shards=num_shards)
+            except TensorHubError as e:
+                logger.warning("%s v%d is published, but its delta against v%d is not (readers read it in full): "
+                               "%s", model, v, base, e)
+        return v
 
     def unpublish(self, model: str, version: int, *, timeout: Optional[float] = None,
                   retain_on_cpu: Optional[bool] = None) -> None:
@@ -211,7 +233,7 @@ class Hub:
               into: Optional[Mapping[str, Any]] = None, serve: bool = True, group: Optional[str] = None,
               timeout: Optional[float] = None,
               progress: Optional[Callable[[FetchProgress], None]] = None,
-              names: Optional[Iterable[str]] = None) -> Fetched:
+              names: Optional[Iterable[str]] = None, base: Optional[int] = None) -> Fetched:
         """Read ``model`` v``version`` (newest complete when None) from the holders the
         coordinator picks, into ``into`` (checked tensor by tensor) or new tensors.
 
@@ -223,7 +245,14 @@ class Hub:
         and once more at its end (``done=True``); without it, progress goes to the log.
         ``names``: read only these tensors (``serve`` must be False; ``into`` then needs only
         them); :meth:`manifest` lists a version's tensors. Streaming a version in bounded
-        buckets is a loop of such fetches into one reused buffer."""
+        buckets is a loop of such fetches into one reused buffer.
+
+        Deltas (``tensorhub._delta_path``): when this process serves an older version of
+        the same layout and shard, or ``into`` holds exactly v``base`` (``base=``), and
+        published deltas move fewer bytes than the full version, the deltas are read and
+        applied (into a new buffer, or ``into`` in place), checked against the version's
+        checksums, and served too; any delta problem reads the full version instead (and
+        logs why). ``result.delta`` says how (None: read in full)."""
         self._check_open()
         if names is not None:
             names = list(dict.fromkeys(names))
@@ -237,7 +266,7 @@ class Hub:
         t0 = time.monotonic()
         try:
             with self.api.bounded(deadline + _RELEASE_GRACE):
-                f = self._fetch(model, version, layout, shard, into, serve, group, deadline, track, names)
+                f = self._fetch(model, version, layout, shard, into, serve, group, deadline, track, names, base)
         except BaseException:
             self._account(model, layout, shard, track, None, t0)
             raise
@@ -270,7 +299,7 @@ class Hub:
 
     def _fetch(self, model: str, version: Optional[int], layout: str, shard: int,
                into: Optional[Mapping[str, Any]], serve: bool, group: Optional[str], deadline: float,
-               track: Track, names: Optional[list[str]] = None) -> Fetched:
+               track: Track, names: Optional[list[str]] = None, base: Optional[int] = None) -> Fetched:
         if version is None:
             version = self.resolve(model, group=group)
         elif not isinstance(version, int) or isinstance(version, bool) or version < 1:
@@ -280,6 +309,14 @@ class Hub:
             return copy_held(held, into, names, self._holdings, self.worker_id)
         track.version = version
         opts = FetchOptions(self.max_sources, self.chunk_bytes, self.progress_timeout, self.checksum)
+        if names is None:  # delta versions (issue #16): None -> read in full
+            f = _delta_path.fetch_through_delta(self._session, self._holdings, opts, model, version, layout, shard,
+                                                into=into, base=base, serve=serve, deadline=deadline, track=track,
+                                                pipelined=self.pipelined)
+            if f is not None:
+                return f
+        elif base is not None:
+            raise ConfigError("fetch(base=...) applies to whole versions, not fetch(names=...)")
         return Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into, serve=serve,
                      deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
 
