@@ -16,7 +16,8 @@
 # Any failure exits non-zero with the reason on the last line.
 #
 # Environment: PYTHON (default python3), OUT, GPU_CHECK_WORK (scratch, default
-# /tmp/tensorhub-gpu-check), GPU_CHECK_PYTEST=0 skips step 3's tests. Arguments go to
+# /tmp/tensorhub-gpu-check), GPU_CHECK_PYTEST=0 skips step 3's tests, GPU_CHECK_INSTALL_ONLY=1
+# runs steps 1-2 alone, with or without a GPU, and checks what got installed. Arguments go to
 # `gpu_check.py run` (e.g. --mib 1024).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,14 +37,14 @@ read -r gpu pyver torchver torchcuda <<<"$info"
 echo "gpu_check.sh: $PYTHON: Python $pyver, torch $torchver (CUDA $torchcuda); GPU available: $gpu"
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if [ "$gpu" = 1 ]; then
+if [ "$gpu" = 1 ] || [ "${GPU_CHECK_INSTALL_ONLY:-0}" = 1 ]; then
     [ -d "$WHEELS" ] || fail "gpu_wheels/ is missing: run 'bash scripts/fetch_gpu_wheels.sh' where PyPI is reachable and carry gpu_wheels"
     SITE=$WORK/site
     rm -rf "$SITE"
     mapfile -t reqs < <("$PYTHON" benchmarks/gpu_check.py requirements)
     mooncake=$("$PYTHON" benchmarks/gpu_check.py requirements --mooncake)
     echo "gpu_check.sh: installing ${reqs[*]} $mooncake from gpu_wheels/ into $SITE"
-    PIP_CONSTRAINT= "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --find-links "$WHEELS" \
+    PIP_CONSTRAINT= "$PYTHON" -m pip install -q --disable-pip-version-check --no-warn-conflicts --no-index --find-links "$WHEELS" \
         --only-binary=:all: --target "$SITE" "${reqs[@]}" "$mooncake" \
         || fail "pip could not install the carried wheels (is Python $pyver among 3.10-3.13?)"
     tar xzf "$WHEELS"/mooncake-libs-*.tar.gz -C "$SITE" || fail "could not unpack gpu_wheels/mooncake-libs-*.tar.gz"
@@ -51,6 +52,19 @@ if [ "$gpu" = 1 ]; then
     libs=$("$PYTHON" benchmarks/gpu_check.py libpath "$SITE" --wheels "$WHEELS" --work "$WORK/libs")
     export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     echo "gpu_check.sh: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    if [ "${GPU_CHECK_INSTALL_ONLY:-0}" = 1 ]; then  # the install step alone (tests/test_gpu_check.py, no GPU)
+        "$PYTHON" - "$SITE" <<'PY' || fail "the installed packages do not come from gpu_wheels/"
+import importlib, sys
+site = sys.argv[1]
+for name in ("pydantic", "pydantic_core", "fastapi", "starlette", "uvicorn", "httpx", "prometheus_client", "xxhash",
+             "mooncake"):
+    path = importlib.import_module(name).__file__
+    assert path.startswith(site), f"{name} imports from {path}, not {site}"
+print(f"gpu_check.sh: installed from gpu_wheels/ into {site}: TensorHub's dependencies and mooncake "
+      "(its engine.so needs the GPU machine's libcuda.so.1 to load)")
+PY
+        exit 0
+    fi
 else
     echo "gpu_check.sh: no CUDA GPU here: nothing installed; running the CPU-possible parts with $PYTHON"
     "$PYTHON" -c "import fastapi, pydantic, uvicorn, httpx, prometheus_client, xxhash, mooncake.engine" \
