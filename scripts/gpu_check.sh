@@ -15,14 +15,19 @@
 # Without a GPU it says so, runs the same steps on CPU tensors and exits 0 when they pass.
 # Any failure exits non-zero with the reason on the last line.
 #
-# Environment: PYTHON (default python3), OUT, GPU_CHECK_WORK (scratch, default
-# /tmp/tensorhub-gpu-check), GPU_CHECK_PYTEST=0 skips step 3's tests, GPU_CHECK_INSTALL_ONLY=1
-# runs steps 1-2 alone, with or without a GPU, and checks what got installed. Arguments go to
-# `gpu_check.py run` (e.g. --mib 1024).
+# Environment: PYTHON (default: python3 or python, the first with torch), OUT, GPU_CHECK_WORK
+# (scratch, default /tmp/tensorhub-gpu-check), GPU_CHECK_PYTEST=0 skips step 3's tests,
+# GPU_CHECK_INSTALL_ONLY=1 runs steps 1-2 alone, with or without a GPU, and checks what got
+# installed. Arguments go to `gpu_check.py run` (e.g. --mib 1024).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+if [ -z "${PYTHON:-}" ]; then  # the first Python on PATH that has torch
+    for p in python3 python; do
+        if command -v "$p" >/dev/null && "$p" -c "import torch" 2>/dev/null; then PYTHON=$(command -v "$p"); break; fi
+    done
+    PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+fi
 export OUT=${OUT:-out/gpu_check}
 WORK=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/tensorhub-gpu-check}
 WHEELS=$ROOT/gpu_wheels
