@@ -262,12 +262,10 @@ def _native() -> Any:
 
 
 def _copy_into(model: Any, got: Any) -> int:
-    nat = _native()
-    if hasattr(nat, "copy_into"):  # the adapter's own, where it still lives there
-        return nat.copy_into(model, got)
-    from integrations._core.load import copy_into  # its home since the adapters share a core
+    """What the vLLM adapter does with a fetched native shard (names, shapes, dtypes checked first)."""
+    from integrations._core.load import copy_into
 
-    return copy_into(nat.native_tensors(model), got)
+    return copy_into(_native().native_tensors(model), got)
 
 
 def _child(conn: Any, url: str, name: str, device: str, env: dict, options: dict) -> None:

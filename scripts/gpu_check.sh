@@ -15,13 +15,19 @@
 # Without a GPU it says so, runs the same steps on CPU tensors and exits 0 when they pass.
 # Any failure exits non-zero with the reason on the last line.
 #
-# Environment: PYTHON (default python3), OUT, GPU_CHECK_WORK (scratch, default
-# /tmp/tensorhub-gpu-check), GPU_CHECK_PYTEST=0 skips step 3's tests. Arguments go to
-# `gpu_check.py run` (e.g. --mib 1024).
+# Environment: PYTHON (default: python3 or python, the first with torch), OUT, GPU_CHECK_WORK
+# (scratch, default /tmp/tensorhub-gpu-check), GPU_CHECK_PYTEST=0 skips step 3's tests,
+# GPU_CHECK_INSTALL_ONLY=1 runs steps 1-2 alone, with or without a GPU, and checks what got
+# installed. Arguments go to `gpu_check.py run` (e.g. --mib 1024).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+if [ -z "${PYTHON:-}" ]; then  # the first Python on PATH that has torch
+    for p in python3 python; do
+        if command -v "$p" >/dev/null && "$p" -c "import torch" 2>/dev/null; then PYTHON=$(command -v "$p"); break; fi
+    done
+    PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+fi
 export OUT=${OUT:-out/gpu_check}
 WORK=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/tensorhub-gpu-check}
 WHEELS=$ROOT/gpu_wheels
@@ -36,14 +42,14 @@ read -r gpu pyver torchver torchcuda <<<"$info"
 echo "gpu_check.sh: $PYTHON: Python $pyver, torch $torchver (CUDA $torchcuda); GPU available: $gpu"
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if [ "$gpu" = 1 ]; then
+if [ "$gpu" = 1 ] || [ "${GPU_CHECK_INSTALL_ONLY:-0}" = 1 ]; then
     [ -d "$WHEELS" ] || fail "gpu_wheels/ is missing: run 'bash scripts/fetch_gpu_wheels.sh' where PyPI is reachable and carry gpu_wheels"
     SITE=$WORK/site
     rm -rf "$SITE"
     mapfile -t reqs < <("$PYTHON" benchmarks/gpu_check.py requirements)
     mooncake=$("$PYTHON" benchmarks/gpu_check.py requirements --mooncake)
     echo "gpu_check.sh: installing ${reqs[*]} $mooncake from gpu_wheels/ into $SITE"
-    PIP_CONSTRAINT= "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --find-links "$WHEELS" \
+    PIP_CONSTRAINT= "$PYTHON" -m pip install -q --disable-pip-version-check --no-warn-conflicts --no-index --find-links "$WHEELS" \
         --only-binary=:all: --target "$SITE" "${reqs[@]}" "$mooncake" \
         || fail "pip could not install the carried wheels (is Python $pyver among 3.10-3.13?)"
     tar xzf "$WHEELS"/mooncake-libs-*.tar.gz -C "$SITE" || fail "could not unpack gpu_wheels/mooncake-libs-*.tar.gz"
@@ -51,6 +57,19 @@ if [ "$gpu" = 1 ]; then
     libs=$("$PYTHON" benchmarks/gpu_check.py libpath "$SITE" --wheels "$WHEELS" --work "$WORK/libs")
     export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     echo "gpu_check.sh: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    if [ "${GPU_CHECK_INSTALL_ONLY:-0}" = 1 ]; then  # the install step alone (tests/test_gpu_check.py, no GPU)
+        "$PYTHON" - "$SITE" <<'PY' || fail "the installed packages do not come from gpu_wheels/"
+import importlib, sys
+site = sys.argv[1]
+for name in ("pydantic", "pydantic_core", "fastapi", "starlette", "uvicorn", "httpx", "prometheus_client", "xxhash",
+             "mooncake"):
+    path = importlib.import_module(name).__file__
+    assert path.startswith(site), f"{name} imports from {path}, not {site}"
+print(f"gpu_check.sh: installed from gpu_wheels/ into {site}: TensorHub's dependencies and mooncake "
+      "(its engine.so needs the GPU machine's libcuda.so.1 to load)")
+PY
+        exit 0
+    fi
 else
     echo "gpu_check.sh: no CUDA GPU here: nothing installed; running the CPU-possible parts with $PYTHON"
     "$PYTHON" -c "import fastapi, pydantic, uvicorn, httpx, prometheus_client, xxhash, mooncake.engine" \
