@@ -65,6 +65,12 @@ HEADER = "__tensorhub_delta__"
 FORMAT = 1
 #: Longest chain of consecutive deltas a reader considers.
 MAX_CHAIN = 16
+#: A delta route is taken only when it moves at most this fraction of the full version's
+#: bytes, and a publisher keeps no delta above it: applying costs a pass over the whole
+#: version (zlib-inflated XOR at ~0.1-0.6 GB/s on one core here), so a delta of most of
+#: the bytes was slower than the full read in benchmarks/bench_delta.py (70% of the bytes:
+#: 385 ms vs 185 ms for the full read over a 100 Mbit/s link; 4% of them: 49 ms vs 177 ms).
+MAX_FRACTION = 0.5
 
 
 def delta_layout(base: int, layout: str = "hf") -> str:
@@ -212,6 +218,11 @@ def publish_delta(session: Session, holdings: Holdings, checksum: str, model: st
     out, _buf, stats = encode_tensors(tensors, base, model=model, version=version, layout=layout, shard=shard,
                                       num_shards=num_shards)
     dl = delta_layout(base.version, layout)
+    if stats.nbytes > MAX_FRACTION * stats.full_nbytes:
+        logger.info("%s v%d: no %s published: the delta would be %.0f%% of the version (readers read it in full "
+                    "above %.0f%%)", model, version, dl, 100 * stats.nbytes / max(1, stats.full_nbytes),
+                    100 * MAX_FRACTION)
+        return stats
     _holder.publish(session, holdings, checksum, model, out, version=version, layout=dl, shard=shard,
                     num_shards=num_shards)
     logger.info("published %s v%d %s: %.2f MB for %.1f MB (%.2f%%), %.3f%% of elements changed, encoded in "
@@ -230,13 +241,13 @@ class Step:
 
 
 def plan(full: int, direct: Optional[Step], chain: Optional[list[Step]]) -> Optional[list[Step]]:
-    """The steps to read (fewest bytes), or None when the full version (``full`` bytes) is
-    no more than the cheapest delta route. Pure."""
+    """The steps to read (fewest bytes), or None when the cheapest delta route moves more
+    than :data:`MAX_FRACTION` of the full version's ``full`` bytes. Pure."""
     routes = [r for r in ([direct] if direct is not None else [], chain or []) if r]
     if not routes:
         return None
     best = min(routes, key=lambda r: (sum(s.nbytes for s in r), len(r)))
-    return best if sum(s.nbytes for s in best) < full else None
+    return best if sum(s.nbytes for s in best) <= MAX_FRACTION * full else None
 
 
 def _step(session: Session, model: str, base: int, version: int, layout: str, shard: int) -> Optional[Step]:

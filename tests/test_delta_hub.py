@@ -110,6 +110,8 @@ def test_planner_prefers_fewest_bytes_and_full_when_deltas_are_dearer():
     assert _delta_path.plan(1000, S(1, 3, 300), [S(1, 2, 100), S(2, 3, 100)]) == [S(1, 2, 100), S(2, 3, 100)]
     assert _delta_path.plan(1000, S(1, 3, 150), [S(1, 2, 100), S(2, 3, 100)]) == [S(1, 3, 150)]
     assert _delta_path.plan(1000, S(1, 3, 1000), None) is None
+    assert _delta_path.plan(1000, S(1, 3, 501), None) is None  # applying would cost more than it saves
+    assert _delta_path.plan(1000, S(1, 3, 500), None) == [S(1, 3, 500)]
     assert _delta_path.plan(1000, None, None) is None
 
 
@@ -229,3 +231,15 @@ def test_publish_base_errors(connect):
     with pytest.raises(TensorMismatchError, match="'w' is float32\\[10, 256\\], v1 has float32\\[256, 256\\]"):
         t.publish("m", other, base=1)
     assert t.latest("m") == 1  # nothing was published by the refused calls
+
+
+def test_a_delta_of_most_of_the_bytes_is_not_published(connect):
+    t, r = connect("trainer"), connect("reader")
+    w1 = _weights(1)
+    t.publish("m", w1)
+    r.fetch("m", 1)
+    w2 = _step(w1, 2, frac=0.9)
+    t.publish("m", w2, base=1)
+    assert ("m", 2, "delta:1", 0) not in t.held() and ("m", 2, "hf", 0) in t.held()
+    f = r.fetch("m", 2)
+    assert f.delta is None and _same(f, w2) and f.nbytes == _full(w2)
