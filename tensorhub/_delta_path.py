@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -79,23 +80,29 @@ def delta_layout(base: int, layout: str = "hf") -> str:
 
 
 _COUNTER: Any = None
+_COUNTER_LOCK = threading.Lock()
 
 
 def _count(model: str, outcome: str) -> None:
     """``tensorhub_hub_delta_fetches{model, outcome}``: ok (through a delta), fallback (read full)."""
     global _COUNTER
-    if _COUNTER is None:
-        from prometheus_client import Counter
-
-        try:
-            _COUNTER = Counter("tensorhub_hub_delta_fetches",
-                               "Fetches that tried a delta: ok (applied and verified), fallback (read the full "
-                               "version instead).", ["model", "outcome"])
-        except ValueError:  # pragma: no cover - registered by another import of this module
-            from prometheus_client import REGISTRY
-
-            _COUNTER = REGISTRY._names_to_collectors["tensorhub_hub_delta_fetches"]
+    with _COUNTER_LOCK:
+        if _COUNTER is None:
+            _COUNTER = _make_counter()
     _COUNTER.labels(model, outcome).inc()
+
+
+def _make_counter() -> Any:
+    from prometheus_client import Counter
+
+    try:
+        return Counter("tensorhub_hub_delta_fetches",
+                       "Fetches that tried a delta: ok (applied and verified), fallback (read the full "
+                       "version instead).", ["model", "outcome"])
+    except ValueError:  # pragma: no cover - registered by another import of this module
+        from prometheus_client import REGISTRY
+
+        return REGISTRY._names_to_collectors["tensorhub_hub_delta_fetches"]
 
 
 def _raw(t: Any) -> np.ndarray:

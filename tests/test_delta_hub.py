@@ -179,7 +179,7 @@ def test_corrupt_delta_bytes_are_caught_by_its_checksums_and_the_full_version_re
 
 
 def test_a_delta_whose_result_does_not_verify_is_dropped_and_the_full_version_read(connect, caplog, monkeypatch):
-    t, r, r2 = connect("trainer"), connect("reader"), connect("reader2")
+    t, r = connect("trainer"), connect("reader")
     w1 = _weights(1)
     t.publish("m", w1)
     r.fetch("m", 1)
