@@ -429,8 +429,11 @@ def _run(session: Session, holdings: Holdings, opts: FetchOptions, model: str, v
             if src is not None:
                 if holdings.get(src.key) is not src:
                     raise DeltaError(f"base v{src.version} was unpublished before the delta was applied")
-                for d, s in zip(dst, src.tensors.values()):
-                    d.copy_(s)
+                specs = {(t.name, t.dtype, tuple(t.shape)) for t in src.manifest.tensors}
+                if specs != {(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors}:
+                    raise DeltaError(f"base v{src.version}'s tensors differ from v{version}'s")
+                for spec, d in zip(manifest.tensors, dst):
+                    d.copy_(src.tensors[spec.name])
             _verify(dst, h["checksum"], h["base_checksums"],
                     f"this reader's copy of base v{step.base} against the delta's record of it")
             first = False
