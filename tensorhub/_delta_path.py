@@ -191,10 +191,12 @@ def encode_tensors(tensors: Mapping[str, Any], base: BaseCopy, *, model: str, ve
     """The delta layout's tensors (header first, then one blob per tensor) in one buffer."""
     t0 = time.perf_counter()
     stats = DeltaStats()
-    names = list(base.tensors)
+    names = list(tensors)  # the new version's manifest order: what a reader's copy is laid out in
     new = [tensors[n].detach().contiguous().cpu() for n in names]
+    olds = [base.tensors[n] for n in names]
+    base_sums = base.sums if names == list(base.tensors) else _sums(olds)
     blobs: list[bytes] = []
-    for n, t, b in zip(names, new, base.tensors.values()):
+    for n, t, b in zip(names, new, olds):
         e = _delta.encode(_raw(b.cpu()), _raw(t), t.element_size())
         blobs.append(e.blob)
         stats.changed += e.changed
@@ -204,7 +206,7 @@ def encode_tensors(tensors: Mapping[str, Any], base: BaseCopy, *, model: str, ve
     header = json.dumps({
         "format": FORMAT, "model": model, "version": version, "base": base.version, "layout": layout,
         "shard": shard, "num_shards": num_shards, "checksum": CHECKSUM_ALGO,
-        "base_checksums": base.sums, "checksums": _sums(new),
+        "base_checksums": base_sums, "checksums": _sums(new),
         "tensors": [[n, dtype_name(t.dtype), list(t.shape)] for n, t in zip(names, new)],
     }).encode()
     from ._wire import TensorSpec

@@ -243,3 +243,16 @@ def test_a_delta_of_most_of_the_bytes_is_not_published(connect):
     assert ("m", 2, "delta:1", 0) not in t.held() and ("m", 2, "hf", 0) in t.held()
     f = r.fetch("m", 2)
     assert f.delta is None and _same(f, w2) and f.nbytes == _full(w2)
+
+
+def test_a_version_whose_tensors_come_in_another_order_than_its_base(connect):
+    """An engine publishes v1 in its own order, the trainer v2 in another: the delta is laid
+    out (and checked) in v2's order."""
+    t, r = connect("trainer"), connect("reader")
+    w1 = _weights(1)
+    r.publish("m", dict(reversed(list(w1.items()))))
+    w2 = _step(w1, 2)
+    t.publish("m", w2, base=1, base_tensors=w1)
+    f = r.fetch("m", 2)
+    assert f.delta is not None and _same(f, w2)
+    assert list(f) == list(w2)
