@@ -53,6 +53,8 @@ from typing import Any, Optional
 os.environ.setdefault("GLOG_minloglevel", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from tensorhub._state import StateConfig  # noqa: E402  (retention: which versions may be retired)
+
 #: Errors a user may see from a fetch/unpublish under faults; anything else is a defect.
 CLEAR_ERRORS = {"FetchError", "NotFoundError", "HubTimeoutError", "ConflictError", "RetentionError",
                 "CoordinatorUnavailableError", "LeaseLapsedError", "TransferError"}
@@ -407,13 +409,18 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
                 counts["trials"] += 1
                 if (i + 1) % 20 == 0:
                     log(f"  {i + 1}/{trials} trials, {time.monotonic() - t_start:.0f}s, problems so far: {len(bad)}")
-            # every version whose publish returned is still known, numbers never reused
+            # every version whose publish returned is still known (unless retention retired
+            # it: older than the newest KEEP_VERSIONS, held by no one), numbers never reused
             time.sleep(0.5)
             st = faults.status()
             known = {v["version"] for m in st["models"] for v in m["versions"]}
+            retirable = set(sorted(set(issued))[:-StateConfig.keep_versions])
             for v in issued:
-                if v not in known:
+                if v not in known and v not in retirable:
                     problem("lost", issued_during.get(v, "none"), f"v{v} is unknown to the coordinator")
+            counter = max((m["counter"] for m in st["models"]), default=0)
+            if issued and counter < max(issued):
+                problem("lost", "none", f"the version counter {counter} went below v{max(issued)}")
             if len(set(issued)) != len(issued):
                 problem("lost", "none", "a version number was handed out twice")
         finally:

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence, TextIO
 
-from ._exceptions import TensorHubError
+from ._exceptions import ConfigError, TensorHubError
 from .config import HubConfig, read_token
 from .follow import ProgressLine
 
@@ -23,7 +23,10 @@ def _coordinator(args: argparse.Namespace) -> int:
     from .coordinator import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = StateConfig(lease_ttl=args.lease_ttl, worker_ttl=args.worker_ttl, policy=args.planner)
+    if args.keep_versions < 1:
+        raise ConfigError(f"--keep-versions must be >= 1, got {args.keep_versions}")
+    config = StateConfig(lease_ttl=args.lease_ttl, worker_ttl=args.worker_ttl, policy=args.planner,
+                         keep_versions=args.keep_versions)
 
     def ready(url: str) -> None:
         print(f"tensorhub coordinator serving on {url}", flush=True)
@@ -178,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="source choice: topology-aware (default), or the benchmarks' single-source baseline")
     c.add_argument("--worker-ttl", type=float, default=10.0,
                    help="seconds without heartbeat after which a worker's replicas are dropped")
+    c.add_argument("--keep-versions", type=int, default=16,
+                   help="retention: manifests kept per model beyond what is still held (newest complete)")
     c.add_argument("--ssl-certfile", help="serve HTTPS with this certificate")
     c.add_argument("--ssl-keyfile", help="private key for --ssl-certfile")
     c.add_argument("--log-level", default="info")
