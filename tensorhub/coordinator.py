@@ -76,6 +76,42 @@ def _version() -> Any:
     return PathParam(ge=1, le=MAX_VERSION)
 
 
+class _Watch:
+    """Waiters for a model's next complete version, woken by the publish that completes
+    it (no polling). Waiters live on the server's event loop; ``notify`` may be called from
+    any thread."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[str, set[asyncio.Future]] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def register(self, model: str) -> asyncio.Future:
+        """Register before reading the state (a version completing in between wakes it)."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        fut = loop.create_future()
+        self._waiters.setdefault(model, set()).add(fut)
+        return fut
+
+    def forget(self, model: str, fut: asyncio.Future) -> None:
+        ws = self._waiters.get(model)
+        if ws is not None:
+            ws.discard(fut)
+            if not ws:
+                del self._waiters[model]
+
+    def notify(self, models: set[str]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, models)
+
+    def _wake(self, models: set[str]) -> None:
+        for m in models:
+            for fut in self._waiters.pop(m, ()):
+                if not fut.done():
+                    fut.set_result(None)
+
+
 class Coordinator:
     """State machine + durable store + lock + clock: what the HTTP routes call."""
 
@@ -86,6 +122,8 @@ class Coordinator:
         self.store = SqliteStore(state_dir)
         self.store.open()
         self.lock = threading.Lock()
+        #: ``latest?wait=`` requests, woken when their model's newest version changes.
+        self.watch = _Watch()
         self.state = CoordinatorState.restore(self.store.load(), config, now=clock())
         self.metrics = CoordinatorMetrics(lambda: self.read(lambda: self.state.metrics_view(self.clock())),
                                           start_time=time.time())
@@ -100,6 +138,9 @@ class Coordinator:
             try:
                 result = fn(self.clock(), *args)
             finally:
+                completed = self.state.catalog.take_completed()
+                if completed:
+                    self.watch.notify(completed)
                 writes = self.state.take_writes()
                 if writes:
                     try:
@@ -121,8 +162,8 @@ class Coordinator:
         self.state.catalog = Catalog.restore(self.store.load())
 
     def expire(self) -> None:
-        with self.lock:
-            dead = self.state.expire(self.clock())
+        """The periodic tick: dead workers, lapsed leases, retention (its writes committed)."""
+        dead = self.call(lambda now: self.state.expire(now))
         for wid in dead:
             logger.warning("worker %s stopped heart-beating; its replicas were dropped", wid)
 
@@ -304,10 +345,17 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
         to that many seconds until a version newer than ``newer_than`` is complete."""
         deadline = time.monotonic() + wait
         while True:
-            v = coord.read(lambda: st().latest(model, newer_than))
-            if v is not None or time.monotonic() >= deadline:
-                return {"version": v}
-            await asyncio.sleep(0.05)
+            woken = coord.watch.register(model)  # before reading: a publish in between wakes it
+            try:
+                v = coord.read(lambda: st().latest(model, newer_than))
+                left = deadline - time.monotonic()
+                if v is not None or left <= 0:
+                    return {"version": v}
+                await asyncio.wait_for(woken, left)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                coord.watch.forget(model, woken)
 
     @app.post("/v1/models/{model}/resolve")
     async def resolve(model: str = _model(), req: Resolve = Body(default=Resolve())) -> dict:
