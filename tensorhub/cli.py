@@ -61,6 +61,9 @@ def _table(rows: list[list[str]]) -> list[str]:
 def format_status(st: dict) -> str:
     """A readable table of models, versions, replicas and open leases."""
     out = [f"coordinator epoch {st['epoch']}, {len(st['workers'])} worker(s)"]
+    ha = st.get("coordinators")
+    if ha:  # highly available coordinators (etcd store)
+        out.append(f"leader {ha['leader']}; followers: {', '.join(ha['followers']) or 'none'}")
     if not st["models"]:
         out.append("no models yet")
     for m in st["models"]:
@@ -209,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_coordinator)
 
     s = sub.add_parser("status", help="show models, versions, replicas and leases")
-    s.add_argument("--coordinator", help="coordinator URL (default: $TENSORHUB_COORDINATOR)")
+    s.add_argument("--coordinator", help="coordinator URL, or several comma-separated "
+                                          "(default: $TENSORHUB_COORDINATOR)")
     s.add_argument("--token-file", help="file holding the API token (default: $TENSORHUB_TOKEN)")
     s.add_argument("--ca-file", help="CA (or self-signed certificate, PEM) of an https coordinator "
                    "(default: $TENSORHUB_CA_FILE, else the system's CAs)")

@@ -348,5 +348,7 @@ class Hub:
 def connect(url: Optional[str] = None, *, worker_id: Optional[str] = None,
             locality: Optional[Locality | str | Mapping[str, str]] = None, token: Optional[str] = None,
             **options: Any) -> Hub:
-    """Connect to the coordinator at ``url`` (default: ``TENSORHUB_COORDINATOR``)."""
+    """Connect to the coordinator at ``url`` (default: ``TENSORHUB_COORDINATOR``); several
+    highly available coordinators are given comma-separated (``"http://c1:7777,http://c2:7777"``):
+    the Hub follows the leader and fails over by itself."""
     return Hub(url, worker_id=worker_id, locality=locality, token=token, **options).connect()
