@@ -5,12 +5,12 @@
    Mooncake worker with a replica) and a client polling ``latest`` every 10 ms through all
    the URLs stay connected while the leader is SIGKILLed ``--kills`` times (restarted as a
    follower after each). Per kill: the outage the polling client saw (last answer before
-   the kill to the first after it), when the holder's replica was registered again on the
+   the kill to the first answer to a request sent after it), when the holder's replica was registered again on the
    new leader, and a check that the next published version is the previous one + 1.
 2. **Latency, etcd vs SQLite**, side by side: ``publish`` of a 4 KiB tensor (allocate +
    register replica: two durable commits) and a lease round trip (``acquire`` + ``release``
    through a tiny ``fetch(serve=False)``), ``--ops`` times each, on one coordinator process
-   of each store, in-memory transport.
+   of each store (both running, the operations interleaved), in-memory transport.
 
     python benchmarks/bench_failover.py [--kills 10] [--ops 200] [--json out/bench_failover.json]
 """
@@ -63,14 +63,15 @@ def failover(tmp: Path, kills: int, n: int) -> dict:
         holder = Worker(urls, "holder", heartbeat_interval=0.2)
         versions = [holder.call("publish", seed=1, nbytes=1 << 20)]
         poller = tensorhub.connect(urls, worker_id="poller")
-        answers: list[float] = []
+        answers: list[tuple[float, float]] = []  # (sent, answered)
         stop = threading.Event()
 
         def poll() -> None:
             while not stop.is_set():
                 try:
+                    sent = time.monotonic()
                     poller.api.latest("policy", retry_timeout=1.0)
-                    answers.append(time.monotonic())
+                    answers.append((sent, time.monotonic()))
                 except tensorhub.TensorHubError:
                     pass
                 time.sleep(0.01)
@@ -83,10 +84,12 @@ def failover(tmp: Path, kills: int, n: int) -> dict:
                 old = leader()
                 old.kill()
                 killed = time.monotonic()
-                while not answers or answers[-1] < killed:
+                # outage: last answer before the kill -> first answer to a request sent after it
+                # (an answer that was on its way at the kill does not count)
+                while not answers or answers[-1][0] < killed:
                     time.sleep(0.005)
-                before = max(a for a in answers if a < killed)
-                after = min(a for a in answers if a > killed)
+                before = max(a for _, a in answers if a < killed)
+                after = min(a for s, a in answers if s > killed)
                 new = leader()
                 while True:  # the holder's replica re-registered on the new leader
                     try:
@@ -129,28 +132,35 @@ def latency(tmp: Path, ops: int) -> dict:
 
     out = {}
     with EtcdCluster(tmp / "etcd-lat", members=1) as etcd:
-        for name, extra in (("sqlite", ()), ("etcd", ("--store", etcd.store_url + "/lat"))):
-            c = CoordinatorProcess(tmp / f"lat-{name}" / "state", extra=extra)
-            c.start()
-            try:
-                pub = tensorhub.connect(c.url, worker_id="pub", transport=InMemoryTransport())
-                rd = tensorhub.connect(c.url, worker_id="rd", transport=InMemoryTransport())
-                w = {"w": torch.zeros(1024)}
-                pubs, leases = [], []
-                for i in range(ops):
+        coords, hubs = {}, {}
+        try:
+            for name, extra in (("sqlite", ()), ("etcd", ("--store", etcd.store_url + "/lat"))):
+                coords[name] = c = CoordinatorProcess(tmp / f"lat-{name}" / "state", extra=extra)
+                c.start()
+                hubs[name] = (tensorhub.connect(c.url, worker_id="pub", transport=InMemoryTransport()),
+                              tensorhub.connect(c.url, worker_id="rd", transport=InMemoryTransport()))
+            w = {"w": torch.zeros(1024)}
+            pubs: dict = {n: [] for n in coords}
+            leases: dict = {n: [] for n in coords}
+            for i in range(ops):  # interleaved: background noise hits both stores alike
+                for name, (pub, rd) in hubs.items():
                     t0 = time.perf_counter()
                     v = pub.publish("lat", w)
-                    pubs.append(time.perf_counter() - t0)
+                    pubs[name].append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     rd.fetch("lat", v, serve=False)
-                    leases.append(time.perf_counter() - t0)
+                    leases[name].append(time.perf_counter() - t0)
                     if i >= 2:
                         pub.unpublish("lat", v - 2)
+        finally:
+            for pub, rd in hubs.values():
                 pub.close(), rd.close()
-            finally:
+            for c in coords.values():
                 c.stop()
-            out[name] = {"publish_ms_median": 1e3 * statistics.median(pubs), "publish_ms_p99": 1e3 * _pct(pubs, 0.99),
-                         "lease_ms_median": 1e3 * statistics.median(leases), "lease_ms_p99": 1e3 * _pct(leases, 0.99)}
+        for name in coords:
+            p, l = pubs[name], leases[name]
+            out[name] = {"publish_ms_median": 1e3 * statistics.median(p), "publish_ms_p99": 1e3 * _pct(p, 0.99),
+                         "lease_ms_median": 1e3 * statistics.median(l), "lease_ms_p99": 1e3 * _pct(l, 0.99)}
     return out
 
 
