@@ -198,7 +198,7 @@ def _not_leader(coord: "Coordinator", scope: Any) -> JSONResponse:
 
 
 class _LeaderGate:
-    """HA: a coordinator that does not lead answers ``/v1`` and ``/metrics``' siblings with
+    """HA: a coordinator that does not lead answers every route but ``OPEN`` with
     ``_not_leader`` (``/healthz`` and ``/metrics`` answer on every coordinator). Sits inside
     ``_Guard``: unauthenticated requests learn nothing, not even who leads."""
 
