@@ -101,8 +101,8 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
     if store == "etcd":
         if netns:
             raise SystemExit("--store etcd runs on loopback only (pass --no-netns)")
-        netns, why = False, "--store etcd"
-    if netns is None:
+        netns, why = False, "--store etcd: etcd runs on loopback"
+    elif netns is None:
         netns, why = testbed.available()
     else:
         why = "" if netns else "--no-netns"
