@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -606,6 +607,13 @@ def serve(host: str, port: int, state_dir: Optional[str | os.PathLike], *, token
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
+    if coord.election is not None:
+        # uvicorn re-raises SIGTERM once it has shut down; with the default handler the process
+        # would die before ``close()`` revokes the leader's lease (a follower would then wait
+        # out the ttl instead of taking over at once). Exit through ``finally`` instead.
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     on_ready(srv.url)
     try:
         srv.run()

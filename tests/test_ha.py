@@ -266,6 +266,11 @@ def test_three_coordinators_one_leader_redirects_status_and_metrics(tmp_path, et
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert f"leader {leader.url}; followers:" in out.stdout
+        # a leader stopped with SIGTERM revokes its lease: a follower takes over at once
+        t0 = time.monotonic()
+        leader.stop()
+        cs.leader(timeout=5, exclude=(leader,))
+        assert time.monotonic() - t0 < 1.5, "takeover waited out the ttl after a clean stop"
     finally:
         cs.stop()
 
