@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from ._exceptions import ConfigError
 from ._store_etcd import EtcdEndpoints, EtcdUnavailable, _b64, _put, prefix_end
 
 __all__ = ["Election", "SAFETY"]
@@ -50,7 +51,8 @@ class Election:
                  on_deposed: Callable[[str], None] = lambda why: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if ttl < 2:
-            raise ValueError("etcd leases last whole seconds, at least 2 (its minimum ttl is ~1.5 s)")
+            raise ConfigError(f"--election-ttl {ttl:g}: etcd leases last whole seconds, at least 2 "
+                              "(etcd's minimum lease ttl is ~1.5 s)")
         self.etcd, self.prefix, self.url = etcd, prefix, url
         self.ttl = int(ttl)
         self.poll = poll
