@@ -34,6 +34,7 @@ from ._exceptions import (
 )
 from ._metrics import FetchProgress, start_metrics_server
 from ._wire import Locality
+from .config import HubConfig
 from .hub import Fetched, Hub, connect
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "connect",
     "Hub",
+    "HubConfig",
     "Fetched",
     "FetchProgress",
     "Locality",

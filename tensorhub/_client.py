@@ -71,7 +71,7 @@ def error_from_response(resp: httpx.Response) -> CoordinatorError:
     except Exception:
         code, detail = "", resp.text[:500]
     cls = _BY_CODE.get(code) or _BY_STATUS.get(resp.status_code) or CoordinatorError
-    return cls(resp.status_code, detail, code)
+    return cls(detail, code, status=resp.status_code)
 
 
 def _code(resp: httpx.Response) -> str:
@@ -200,7 +200,7 @@ class CoordinatorClient:
             except httpx.TransportError as e:
                 if _tls_failure(e):  # permanent: retrying cannot help
                     raise CoordinatorUnavailableError(
-                        0, f"TLS handshake with {url} failed ({e}); pass ca_file= / --ca-file or set "
+                        f"TLS handshake with {url} failed ({e}); pass ca_file= / --ca-file or set "
                         "TENSORHUB_CA_FILE to the CA that signed the coordinator's certificate", "tls",
                     ) from None
                 problem: str = f"{type(e).__name__}: {e}"
@@ -230,7 +230,7 @@ class CoordinatorClient:
             if time.monotonic() + delay > deadline:
                 where = f"coordinators {','.join(self.urls)}" if several else f"coordinator {url}"
                 raise CoordinatorUnavailableError(
-                    0, f"{where} unreachable for {budget:.0f}s ({method} {path}): {problem}",
+                    f"{where} unreachable for {budget:.0f}s ({method} {path}): {problem}",
                     "unavailable",
                 )
             logger.debug("coordinator %s %s failed (%s); retrying in %.2fs", method, path, problem, delay)

@@ -11,7 +11,7 @@ errors) into this tree at the one place that calls them.
     ├── TransportUnavailableError        Mooncake or libibverbs missing (also ImportError)
     ├── HubClosedError                   a Hub method called after close()
     ├── HubTimeoutError                  a wait (version, drain) ran out (also TimeoutError)
-    ├── CoordinatorError(status, msg)    the coordinator refused a request
+    ├── CoordinatorError(msg, code)      the coordinator refused a request
     │   ├── UnauthorizedError            401: missing or wrong token
     │   ├── NotFoundError                404: unknown model / version / replica / lease
     │   ├── ConflictError                409: the request contradicts durable state
@@ -71,12 +71,18 @@ class HubTimeoutError(TensorHubError, TimeoutError):
 class CoordinatorError(TensorHubError):
     """The coordinator answered with an error.
 
-    ``status`` is the HTTP status (0 when no answer came), ``code`` a short
-    machine-readable reason (e.g. ``"manifest_mismatch"``), ``message`` the
-    human-readable text.
+    ``status`` is the HTTP status (0 when no answer came, and on the coordinator's own
+    decisions before its HTTP shell answers them), ``code`` a short machine-readable
+    reason (e.g. ``"manifest_mismatch"``), ``message`` the human-readable text.
+
+    Built as ``CoordinatorError(message, code, status=...)``; the 0.1 form
+    ``CoordinatorError(status, message, code)`` is still accepted.
     """
 
-    def __init__(self, status: int, message: str, code: str = "") -> None:
+    def __init__(self, message: "str | int", code: str = "", status: "int | str" = 0) -> None:
+        if isinstance(message, int):  # the 0.1 positional form: (status, message, code)
+            message, code, status = code, (status if isinstance(status, str) else ""), message
+        status = int(status or 0)
         super().__init__(f"coordinator answered {status}: {message}" if status else message)
         self.status = status
         self.code = code

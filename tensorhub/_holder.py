@@ -55,7 +55,7 @@ def unpublish(session: Session, holdings: Holdings, model: str, version: int, *,
         mine = holdings.of_version(model, version)
         holdings.withdrawing.update(h.key for h in mine)  # no re-registration announces them now
     if not mine:
-        raise NotFoundError(404, f"this hub holds no replica of {model!r} v{version}", "not_held")
+        raise NotFoundError(f"this hub holds no replica of {model!r} v{version}", "not_held")
     try:
         _withdraw(session, holdings, mine, model, version, timeout, retain)
     finally:

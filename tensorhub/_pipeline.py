@@ -31,14 +31,12 @@ Invariant: nobody reads a chunk that is not complete on its source (tests/test_p
 from __future__ import annotations
 
 import logging
-import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ._exceptions import FetchError, TransferError
 from ._planner import chunk_order, pick_chunk
 from ._reader import ShardReader, Source
-from .transport import PENDING
 
 __all__ = ["PSource", "PipelinedReader"]
 
@@ -76,95 +74,51 @@ class PipelinedReader(ShardReader):
         self.claim_patience = claim_patience
         #: Chunks the coordinator reserved for us to read from complete replicas (None: any).
         self.reserved: Optional[frozenset] = None
-        #: Set by ``get_sources`` when the coordinator had no source: the error at the deadline.
-        self.why_no_source = ""
+        self._last_refresh = float("-inf")
 
-    def _loop(self, todo, inflight, failed, sources, stats, fail, get_sources, deadline, on_tick) -> None:
+    # Policy hooks (``ShardReader._loop``): the reader's own chunk order; each source is
+    # asked only for chunks it holds, rarest first; sources refreshed now and then.
+    @property
+    def _idle_cap(self) -> float:
+        return self.refresh_interval / 2
+
+    def _order(self, todo) -> deque:
         wanted = set(todo)
-        need = [c for c in self.order if c in wanted]
-        last_refresh = float("-inf")
-        last_progress = time.monotonic()
-        sleep = self.poll_interval / 8
-        while need or inflight:
-            now = time.monotonic()
-            if now > deadline:
-                stuck = [f.source.endpoint for f in inflight.values() if f.abandoned]
-                if need and not sources and not stuck and self.why_no_source:
-                    raise FetchError(self.why_no_source)
-                raise FetchError(
-                    f"fetch deadline passed with {len(need) + len(inflight)} of {len(self.chunks)} chunks "
-                    f"unread" + (f"; batches from {sorted(set(stuck))} never ended" if stuck else ""))
-            busy = {s.replica_id: 0 for s in sources}
-            for f in inflight.values():
-                if not f.abandoned and f.source.replica_id in busy:
-                    busy[f.source.replica_id] += 1
-            # submit: nearest sources first, partial before complete; each takes a chunk it
-            # holds, rarest first (_planner.pick_chunk)
-            progressed = True
-            while need and progressed:
-                progressed = False
-                for src in sorted(sources, key=lambda s: (s.cost, getattr(s, "chunks", None) is None,
-                                                          busy[s.replica_id])):
-                    if not need or busy[src.replica_id] >= self.depth:
-                        continue
-                    others = [getattr(o, "chunks", None) for o in sources if o is not src]
-                    coming = self.claimed.union(*(getattr(o, "coming", frozenset()) for o in sources))
-                    order = need
-                    if not inflight and now - last_progress > self.claim_patience:
-                        coming = frozenset()  # stalled: do not wait on others' promises any longer
-                    elif getattr(src, "chunks", None) is None and self.reserved is not None:
-                        order, coming = [c for c in need if c in self.reserved], frozenset()
-                    c = pick_chunk(order, getattr(src, "chunks", None), others, set(), coming)
-                    if c is None:
-                        continue
-                    need.remove(c)
-                    try:
-                        h = self.t.submit_read(src.endpoint, self._ops(c, src))
-                    except TransferError as e:
-                        need.insert(0, c)
-                        fail(src, str(e))
-                        break
-                    nb = self.chunk_bytes(c)
-                    inflight[h] = _inflight(c, src, now, now + self.progress_timeout + nb / self.min_rate)
-                    self.receiving.add(c)
-                    busy[src.replica_id] += 1
-                    progressed = True
-            # Refresh soon when a source idles for lack of chunks it holds, now and then otherwise
-            # (newer partial replicas may be nearer or less loaded than the busy sources).
-            idle = not sources or any(busy.get(s.replica_id, 0) < self.depth for s in sources)
-            if need and now - last_refresh >= self.refresh_interval * (1 if idle else 2):
-                last_refresh = now
-                fresh = get_sources(set(failed))
-                sources[:] = [s for s in fresh if s.replica_id not in failed]
-            # poll
-            done_any = False
-            for h in list(inflight):
-                f = inflight[h]
-                st = self._poll_one(inflight, h, fail)
-                if st == PENDING:
-                    continue
-                done_any = True
-                last_progress = time.monotonic()
-                self.receiving.discard(f.chunk)
-                if st == 1 and not f.abandoned:
-                    if self._accept(f, fail):  # verified before it is reported, so offered to others
-                        self._count(stats, f)
-                        self.completed.append((f.chunk, f.source.lease_id))
-                    else:
-                        need.insert(0, f.chunk)
-                else:
-                    if st != 1:
-                        fail(f.source, f"read failed with code {st}")
-                    need.insert(0, f.chunk)
-            on_tick()
-            if done_any:
-                sleep = self.poll_interval / 8
-            elif inflight or need:
-                time.sleep(sleep)
-                sleep = min(sleep * 2, self.poll_interval if inflight else self.refresh_interval / 2)
+        self._last_refresh = float("-inf")
+        return deque(c for c in self.order if c in wanted)
 
+    def _fill(self, need, sources, failed, get_sources) -> None:
+        pass  # (``_refresh`` asks for sources, after the submit step)
 
-def _inflight(chunk: int, src: Source, submitted: float, deadline: float) -> Any:
-    from ._reader import _Inflight
+    def _preference(self, src: Source, busy: int) -> tuple:
+        """Nearest sources first, partial before complete, then the least busy."""
+        return (src.cost, getattr(src, "chunks", None) is None, busy)
 
-    return _Inflight(chunk, src, submitted, deadline)
+    def _pick(self, src: Source, need, sources, inflight, now: float) -> Optional[int]:
+        """A chunk ``src`` holds, rarest first (``_planner.pick_chunk``)."""
+        others = [getattr(o, "chunks", None) for o in sources if o is not src]
+        coming = self.claimed.union(*(getattr(o, "coming", frozenset()) for o in sources))
+        order = need
+        if not inflight and now - self._last_progress > self.claim_patience:
+            coming = frozenset()  # stalled: do not wait on others' promises any longer
+        elif getattr(src, "chunks", None) is None and self.reserved is not None:
+            order, coming = [c for c in need if c in self.reserved], frozenset()
+        return pick_chunk(order, getattr(src, "chunks", None), others, set(), coming)
+
+    def _refresh(self, need, sources, failed, get_sources, busy, now: float) -> None:
+        """Soon when a source idles for lack of chunks it holds, now and then otherwise
+        (newer partial replicas may be nearer or less loaded than the busy sources)."""
+        idle = not sources or any(busy.get(s.replica_id, 0) < self.depth for s in sources)
+        if need and now - self._last_refresh >= self.refresh_interval * (1 if idle else 2):
+            self._last_refresh = now
+            fresh = get_sources(set(failed))
+            sources[:] = [s for s in fresh if s.replica_id not in failed]
+
+    def _submitted(self, chunk: int) -> None:
+        self.receiving.add(chunk)
+
+    def _ended(self, chunk: int) -> None:
+        self.receiving.discard(chunk)
+
+    def _completed(self, f: Any) -> None:
+        self.completed.append((f.chunk, f.source.lease_id))

@@ -96,6 +96,9 @@ class ShardReader:
         self.stuck = False
         #: The running (or last) run's counts, updated as chunks land.
         self.live: Optional[ReadStats] = None
+        #: Set by ``get_sources`` when the coordinator had no source: the error at the deadline.
+        self.why_no_source = ""
+        self._last_progress = 0.0
 
     def _cut(self, chunk_bytes: int) -> list[list[tuple[int, int, int]]]:
         """Chunks as lists of (tensor index, offset in tensor, length)."""
@@ -206,43 +209,45 @@ class ShardReader:
         stats.bytes_by_source[f.source.worker_id] = stats.bytes_by_source.get(f.source.worker_id, 0) + nb
         stats.chunks_by_lease.setdefault(f.source.lease_id, []).append(f.chunk)
 
+    # ------------------------------------------------------------------ the chunk loop
     def _loop(self, todo, inflight, failed, sources, stats, fail, get_sources, deadline, on_tick) -> None:
+        """The one chunk loop of every read: submit to the sources in order of preference,
+        refresh the sources, poll. What a pipelined read changes are the policy hooks below
+        (the chunk order, which chunk a source is asked for, when sources are refreshed)."""
+        need = self._order(todo)
+        self._last_progress = time.monotonic()
         sleep = self.poll_interval / 8
-        while todo or inflight:
+        while need or inflight:
             now = time.monotonic()
             if now > deadline:
-                stuck = [f.source.endpoint for f in inflight.values() if f.abandoned]
-                raise FetchError(
-                    f"fetch deadline passed with {len(todo) + len(inflight)} of {len(self.chunks)} chunks "
-                    f"unread" + (f"; batches from {sorted(set(stuck))} never ended" if stuck else "")
-                )
-            if todo and not sources:
-                sources.extend(s for s in get_sources(set(failed)) if s.replica_id not in failed)
-                if not sources:
-                    raise FetchError("no source left to read from")
-            # submit
+                raise self._deadline_error(need, inflight, sources)
+            self._fill(need, sources, failed, get_sources)
             busy = {s.replica_id: 0 for s in sources}
             for f in inflight.values():
                 if not f.abandoned and f.source.replica_id in busy:
                     busy[f.source.replica_id] += 1
             progressed = True
-            while todo and progressed:
+            while need and progressed:
                 progressed = False
-                for src in sorted(sources, key=lambda s: busy[s.replica_id]):
-                    if not todo or busy[src.replica_id] >= self.depth:
+                for src in sorted(sources, key=lambda s: self._preference(s, busy[s.replica_id])):
+                    if not need or busy[src.replica_id] >= self.depth:
                         continue
-                    c = todo.popleft()
+                    c = self._pick(src, need, sources, inflight, now)
+                    if c is None:
+                        continue
+                    need.remove(c)
                     try:
                         h = self.t.submit_read(src.endpoint, self._ops(c, src))
                     except TransferError as e:
-                        todo.appendleft(c)
+                        need.appendleft(c)
                         fail(src, str(e))
                         break
                     nb = self.chunk_bytes(c)
                     inflight[h] = _Inflight(c, src, now, now + self.progress_timeout + nb / self.min_rate)
+                    self._submitted(c)
                     busy[src.replica_id] += 1
                     progressed = True
-            # poll
+            self._refresh(need, sources, failed, get_sources, busy, now)
             done_any = False
             for h in list(inflight):
                 f = inflight[h]
@@ -250,18 +255,63 @@ class ShardReader:
                 if st == PENDING:
                     continue
                 done_any = True
+                self._last_progress = time.monotonic()
+                self._ended(f.chunk)
                 if st == DONE and not f.abandoned:
-                    if self._accept(f, fail):
+                    if self._accept(f, fail):  # verified before it counts (or is offered to others)
                         self._count(stats, f)
+                        self._completed(f)
                     else:
-                        todo.append(f.chunk)  # checksum mismatch: read it from another source
+                        need.appendleft(f.chunk)  # checksum mismatch: read it from another source
                 else:
                     if st != DONE:
                         fail(f.source, f"read failed with code {st}")
-                    todo.append(f.chunk)
+                    need.appendleft(f.chunk)
             on_tick()
             if done_any:
                 sleep = self.poll_interval / 8
-            elif inflight:
+            elif inflight or need:
                 time.sleep(sleep)
-                sleep = min(sleep * 2, self.poll_interval)
+                sleep = min(sleep * 2, self.poll_interval if inflight else self._idle_cap)
+
+    def _deadline_error(self, need, inflight, sources) -> FetchError:
+        stuck = [f.source.endpoint for f in inflight.values() if f.abandoned]
+        if need and not sources and not stuck and self.why_no_source:
+            return FetchError(self.why_no_source)
+        return FetchError(
+            f"fetch deadline passed with {len(need) + len(inflight)} of {len(self.chunks)} chunks "
+            f"unread" + (f"; batches from {sorted(set(stuck))} never ended" if stuck else ""))
+
+    # Policy hooks of a plain read: chunks in order, any source for any chunk, new sources
+    # (a new lease) only when none is left.
+    #: The longest sleep while chunks wait and nothing is in flight (seconds).
+    @property
+    def _idle_cap(self) -> float:
+        return self.poll_interval
+
+    def _order(self, todo) -> deque:
+        return deque(todo)
+
+    def _fill(self, need, sources, failed, get_sources) -> None:
+        if need and not sources:
+            sources.extend(s for s in get_sources(set(failed)) if s.replica_id not in failed)
+            if not sources:
+                raise FetchError("no source left to read from")
+
+    def _preference(self, src: Source, busy: int) -> tuple:
+        return (busy,)
+
+    def _pick(self, src: Source, need, sources, inflight, now: float) -> Optional[int]:
+        return need[0]
+
+    def _refresh(self, need, sources, failed, get_sources, busy, now: float) -> None:
+        pass
+
+    def _submitted(self, chunk: int) -> None:
+        pass
+
+    def _ended(self, chunk: int) -> None:
+        pass
+
+    def _completed(self, f: "_Inflight") -> None:
+        pass

@@ -16,7 +16,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 from urllib.parse import urlparse
 
 from . import envs
@@ -24,8 +24,11 @@ from ._client import CoordinatorClient
 from ._exceptions import HubClosedError, NotFoundError, TensorHubError
 from ._holdings import Held, Holdings, unregister_regions
 from ._metrics import FetchProgress, Outbox, hub_metrics
-from ._wire import HeartbeatAnswer, Locality
+from ._wire import HeartbeatAnswer
 from .transport import Transport, create_transport
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .config import HubConfig
 
 __all__ = ["Session", "data_host"]
 
@@ -53,16 +56,15 @@ class Session:
     """See the module docstring. ``holdings.lock`` is also this session's lock: a replica
     being unpublished is never announced again by a concurrent re-registration."""
 
-    def __init__(self, url: str, worker_id: str, locality: Locality, holdings: Holdings, *,
-                 token: Optional[str], ca_file: Optional[str], transport: Optional[Transport],
-                 heartbeat_interval: float, progress_timeout: float) -> None:
-        self.url = url
-        self.worker_id = worker_id
-        self.locality = locality
+    def __init__(self, config: "HubConfig", holdings: Holdings, *, transport: Optional[Transport]) -> None:
+        self.config = config
+        self.url = config.coordinator
+        self.worker_id = config.worker_id
+        self.locality = config.locality
         self.holdings = holdings
-        self.heartbeat_interval = heartbeat_interval
-        self.progress_timeout = progress_timeout
-        self._token, self._ca_file = token, ca_file
+        self.heartbeat_interval = config.heartbeat_interval
+        self.progress_timeout = config.progress_timeout
+        self._token, self._ca_file = config.token, config.ca_file
         self._transport = transport
         self._transport_started = False
         self._api: Optional[CoordinatorClient] = None

@@ -1,12 +1,17 @@
 """The coordinator's decisions, as a pure state machine.
 
 No I/O and no clock: every method takes ``now`` (seconds on a monotonic clock: the
-coordinator passes ``time.monotonic()``) and either returns its decision or raises a :class:`CoordinatorError` subclass
-whose ``status`` the HTTP shell sends back. Durable changes (models, version counters,
-manifests) are queued as *writes*; the shell commits them (``take_writes()``) to its
-store before it answers, so nothing a client was told is lost by a restart.
-``CoordinatorState.restore(rows)`` rebuilds the durable part after a restart; soft state
-(workers, replicas, leases) starts empty and is re-registered by the clients.
+coordinator passes ``time.monotonic()``) and either returns its decision or raises a
+:class:`CoordinatorError` subclass (the HTTP shell picks the status it answers with).
+The state is two parts and the decisions over both:
+
+- the durable **catalog** (``_catalog``: models, version counters, versions, layouts,
+  manifests). Its changes are queued as *writes*; the shell commits them
+  (``take_writes()``) to its store before it answers, so nothing a client was told is
+  lost by a restart; ``CoordinatorState.restore(rows)`` rebuilds it after one;
+- the soft **registry** (``_registry``: workers, replicas, leases, tombstones, indexed
+  by shard key, worker and replica). It starts empty after a restart and is
+  re-registered by the clients.
 
 Invariants this module keeps (DESIGN.md, "Protocol and its invariants"):
 
@@ -48,21 +53,22 @@ answered on its heartbeat; ``metrics_view`` is what ``/metrics`` shows of the st
 
 from __future__ import annotations
 
+
+from __future__ import annotations
+
 import itertools
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from ._exceptions import (
-    ConflictError,
-    ManifestMismatchError,
-    NotFoundError,
-    RetentionError,
-)
+from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
+from ._exceptions import ConflictError, NotFoundError, RetentionError
 from ._planner import (
     LEVELS, Candidate, choose_sources, chunk_order, claims, grid_chunk_bytes, group_key, locality_cost,
     reserve_chunks, start_fraction, start_reverse,
 )
+from ._registry import Lease, Registry, Replica, ShardKey, Worker
+from ._views import FETCH_STALE, metrics_view, status_view
 from ._wire import (
     AcquireLease,
     FetchReport,
@@ -72,20 +78,15 @@ from ._wire import (
     RegisterReplica,
     ReplicaInfo,
     SwapReport,
-    first_difference,
 )
 
-__all__ = ["StateConfig", "CoordinatorState", "Write"]
+__all__ = ["StateConfig", "CoordinatorState", "Write", "ShardKey"]
 
-#: A durable change: (table, key tuple, value). See ``_store.py``.
-Write = tuple
+# Re-exported: the types the state is made of (tests and the shell name them here).
+_ = (ALLOCATIONS_KEPT, LayoutInfo, ModelInfo, VersionInfo, Lease, Replica, Worker)
 
-#: A running fetch not reported for this long is dropped from the live table (seconds).
-FETCH_STALE = 10.0
 #: Most running fetches the live table keeps (more are not shown, still counted at the end).
 MAX_LIVE_FETCHES = 10_000
-#: Allocation answers kept per model for retries (``allocate_version``'s ``request_id``).
-ALLOCATIONS_KEPT = 1024
 #: ``locality_cost`` -> the ``distance`` label of fetched bytes.
 DISTANCES = ("same_host", "same_zone", "same_datacenter", "other_datacenter")
 
@@ -115,107 +116,25 @@ class StateConfig:
         return self.worker_ttl / 2 if self.pause_grace is None else self.pause_grace
 
 
-@dataclass
-class Worker:
-    worker_id: str
-    endpoint: str
-    locality: Locality
-    last_seen: float
-    registered_at: float
-    #: Since this coordinator started: leases naming its replicas, bytes readers reported
-    #: reading from it (answered on each heartbeat: the holder cannot see one-sided reads).
-    served_leases: int = 0
-    served_bytes: int = 0
-
-
-@dataclass
-class Replica:
-    replica_id: str
-    worker_id: str
-    model: str
-    version: int
-    layout: str
-    shard: int
-    addresses: list[int]
-    registered_at: float
-    draining: bool = False
-    suspect_until: float = 0.0
-    served: int = 0  # leases granted on it
-    #: Its worker was dropped while leases named it (see invariant 8): fenced, never offered.
-    tombstone: bool = False
-    #: Pipelined replication: chunks reported complete while still receiving; None = complete.
-    chunks: Optional[set[int]] = None
-    num_chunks: int = 0
-    coming: set[int] = field(default_factory=set)  # chunks it is receiving (a hint)
-
-
-@dataclass
-class Lease:
-    lease_id: str
-    worker_id: str
-    model: str
-    version: int
-    layout: str
-    shard: int
-    replica_ids: tuple[str, ...]
-    granted_at: float
-    expires: float
-    #: Pipelined leases: where the reader's chunk order starts and its direction, and the
-    #: chunks reserved for it to read from a complete replica (``_planner.reserve_chunks``).
-    start: float = 0.0
-    reverse: bool = False
-    reserved: frozenset = frozenset()
-
-
-@dataclass
-class LayoutInfo:
-    num_shards: int
-    manifests: dict[int, Manifest] = field(default_factory=dict)
-
-    @property
-    def complete(self) -> bool:
-        return len(self.manifests) == self.num_shards
-
-
-@dataclass
-class VersionInfo:
-    created: float
-    layouts: dict[str, LayoutInfo] = field(default_factory=dict)
-
-    @property
-    def complete(self) -> bool:
-        return any(li.complete for li in self.layouts.values())
-
-
-@dataclass
-class ModelInfo:
-    counter: int = 0  # highest version number ever handed out
-    versions: dict[int, VersionInfo] = field(default_factory=dict)
-
-
 class CoordinatorState:
-    """All coordinator state; the HTTP shell holds one and a lock around it."""
+    """The durable catalog, the soft registry, and the decisions over both; the HTTP
+    shell holds one and a lock around it."""
 
-    def __init__(self, config: StateConfig = StateConfig(), *, now: float = 0.0, restored: bool = False):
+    def __init__(self, config: StateConfig = StateConfig(), *, now: float = 0.0, restored: bool = False,
+                 catalog: Optional[Catalog] = None):
         self.config = config
         self.epoch = secrets.token_hex(4)
         self.boot_time = now
         #: True when built from a store that had state: drains wait out old leases.
         self.restored = restored
-        self.models: dict[str, ModelInfo] = {}
-        self.workers: dict[str, Worker] = {}
-        self.replicas: dict[str, Replica] = {}
-        self.leases: dict[str, Lease] = {}
+        self.catalog = catalog if catalog is not None else Catalog()
+        self.registry = Registry()
         self.groups: dict[tuple[str, str], tuple[int, float]] = {}
         #: (model, version, layout, shard, level, *group) -> (seeder worker id, named at);
         #: level and group as in ``_planner.group_key`` (host, zone, datacenter).
         self.seeders: dict[tuple, tuple[str, float]] = {}
         #: (worker, model, version, layout, shard) -> (last report of a running fetch, at)
         self.fetching: dict[tuple, tuple[FetchReport, float]] = {}
-        #: Replicas of dropped workers that leases still name (invariant 8), by replica id.
-        self.tombstones: dict[str, Replica] = {}
-        #: (model, request_id) -> version: allocations already answered (durable, bounded).
-        self.allocations: dict[tuple[str, str], int] = {}
         #: (worker, request_id) -> (lease id, grant): leases already answered (soft).
         self.lease_requests: dict[tuple[str, str], tuple[str, LeaseGrant]] = {}
         #: The largest ``now`` seen (time never moves back) and when it was seen.
@@ -223,7 +142,31 @@ class CoordinatorState:
         #: Workers given a fresh ttl after a pause (invariant 9), counted for ``/metrics``.
         self.pauses = 0
         self._ids = itertools.count(1)
-        self._writes: list[Write] = []
+
+    # Read-only views (the tables live in the catalog and the registry).
+    @property
+    def models(self) -> dict[str, ModelInfo]:
+        return self.catalog.models
+
+    @property
+    def allocations(self) -> dict[tuple[str, str], int]:
+        return self.catalog.allocations
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        return self.registry.workers
+
+    @property
+    def replicas(self) -> dict[str, Replica]:
+        return self.registry.replicas
+
+    @property
+    def leases(self) -> dict[str, Lease]:
+        return self.registry.leases
+
+    @property
+    def tombstones(self) -> dict[str, Replica]:
+        return self.registry.tombstones
 
     def _now(self, now: float) -> float:
         """Clamp ``now`` (never back) and grant pause grace (invariant 9). Every public
@@ -240,42 +183,17 @@ class CoordinatorState:
     # ----------------------------------------------------------------- durability
     def take_writes(self) -> list[Write]:
         """Durable changes since the last call, in order; the shell commits them."""
-        w, self._writes = self._writes, []
-        return w
+        return self.catalog.take_writes()
 
     def durable_rows(self) -> list[Write]:
         """Every durable fact as writes (what a store would hold)."""
-        rows: list[Write] = []
-        for name, m in self.models.items():
-            rows.append(("model", (name,), m.counter))
-            for v, vi in m.versions.items():
-                rows.append(("version", (name, v), vi.created))
-                for lname, li in vi.layouts.items():
-                    rows.append(("layout", (name, v, lname), li.num_shards))
-                    for shard, man in li.manifests.items():
-                        rows.append(("manifest", (name, v, lname, shard), man))
-        for key, v in self.allocations.items():
-            rows.append(("allocation", key, v))
-        return rows
+        return self.catalog.rows()
 
     @classmethod
     def restore(cls, rows: Iterable[Write], config: StateConfig = StateConfig(), *, now: float) -> "CoordinatorState":
         """Rebuild from durable rows (in any order of tables as produced by ``durable_rows``)."""
         rows = list(rows)
-        st = cls(config, now=now, restored=bool(rows))
-        order = {"model": 0, "version": 1, "layout": 2, "manifest": 3, "allocation": 4}
-        for table, key, value in sorted(rows, key=lambda r: order[r[0]]):
-            if table == "model":
-                st.models[key[0]] = ModelInfo(counter=value)
-            elif table == "version":
-                st.models.setdefault(key[0], ModelInfo()).versions[key[1]] = VersionInfo(created=value)
-            elif table == "layout":
-                st.models[key[0]].versions[key[1]].layouts[key[2]] = LayoutInfo(num_shards=value)
-            elif table == "manifest":
-                st.models[key[0]].versions[key[1]].layouts[key[2]].manifests[key[3]] = value
-            elif table == "allocation":
-                st.allocations[tuple(key)] = value
-        return st
+        return cls(config, now=now, restored=bool(rows), catalog=Catalog.restore(rows))
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{self.epoch}-{next(self._ids)}"
@@ -297,7 +215,7 @@ class CoordinatorState:
         now = self._now(now)
         w = self.workers.get(worker_id)
         if w is None:
-            raise NotFoundError(404, f"unknown worker {worker_id!r}; register again", "unknown_worker")
+            raise NotFoundError(f"unknown worker {worker_id!r}; register again", "unknown_worker")
         w.last_seen = now
         return w
 
@@ -305,31 +223,25 @@ class CoordinatorState:
         """A client closes: its replicas and leases go. Returns how many replicas went."""
         now = self._now(now)
         if worker_id not in self.workers:
-            raise NotFoundError(404, f"unknown worker {worker_id!r}", "unknown_worker")
+            raise NotFoundError(f"unknown worker {worker_id!r}", "unknown_worker")
         del self.workers[worker_id]
-        for lid in [lid for lid, l in self.leases.items() if l.worker_id == worker_id]:
-            del self.leases[lid]
+        for l in self.registry.leases_of_worker(worker_id):
+            self.registry.drop_lease(l.lease_id)
         return self._drop_worker_replicas(now, worker_id)
 
     def _drop_worker_replicas(self, now: float, worker_id: str) -> int:
         """Drop a worker's replicas; those an unlapsed lease names become tombstones."""
-        gone = [rid for rid, r in self.replicas.items() if r.worker_id == worker_id]
-        leased = self._leased(now)
-        for rid in gone:
-            r = self.replicas.pop(rid)
-            if rid in leased:
-                r.draining = r.tombstone = True
-                self.tombstones[rid] = r
+        gone = self.registry.replicas_of_worker(worker_id)
+        for r in gone:
+            self.registry.drop_replica(r.replica_id)
+            if self.registry.leased(r.replica_id, now):
+                self.registry.bury(r)
         return len(gone)
-
-    def _leased(self, now: float) -> set[str]:
-        """Ids of the replicas an unlapsed lease names."""
-        return {rid for l in self.leases.values() if l.expires >= now for rid in l.replica_ids}
 
     def _worker(self, worker_id: str) -> Worker:
         w = self.workers.get(worker_id)
         if w is None:
-            raise NotFoundError(404, f"unknown worker {worker_id!r}; register again", "unknown_worker")
+            raise NotFoundError(f"unknown worker {worker_id!r}; register again", "unknown_worker")
         return w
 
     def expire(self, now: float) -> list[str]:
@@ -340,11 +252,9 @@ class CoordinatorState:
         for wid in dead:
             self.remove_worker(now, wid)
         for lid in [lid for lid, l in self.leases.items() if now > l.expires + self.config.lease_ttl]:
-            del self.leases[lid]
-        if self.tombstones:
-            leased = self._leased(now)
-            for rid in [rid for rid in self.tombstones if rid not in leased]:
-                del self.tombstones[rid]
+            self.registry.drop_lease(lid)
+        for rid in [rid for rid in self.tombstones if not self.registry.leased(rid, now)]:
+            self.registry.drop_tombstone(rid)
         for key in [k for k, (lid, _) in self.lease_requests.items() if lid not in self.leases]:
             del self.lease_requests[key]
         for key in [k for k, (_, exp) in self.groups.items() if now > exp]:
@@ -356,85 +266,21 @@ class CoordinatorState:
         return dead
 
     # ----------------------------------------------------------------- versions
-    def _model(self, model: str) -> ModelInfo:
-        m = self.models.get(model)
-        if m is None:
-            raise NotFoundError(404, f"unknown model {model!r}", "unknown_model")
-        return m
-
-    def _version(self, model: str, version: int) -> VersionInfo:
-        m = self._model(model)
-        vi = m.versions.get(version)
-        if vi is None:
-            raise NotFoundError(
-                404, f"model {model!r} has no version {version} (newest allocated: {m.counter})", "unknown_version"
-            )
-        return vi
-
     def manifest(self, model: str, version: int, layout: str, shard: int) -> Manifest:
         """The registered manifest of one (model, version, layout, shard)."""
-        vi = self._version(model, version)
-        li = vi.layouts.get(layout)
-        if li is None or shard not in li.manifests:
-            raise NotFoundError(
-                404,
-                f"{model!r} v{version} has no layout {layout!r} shard {shard} "
-                f"(layouts: {sorted(vi.layouts) or 'none'})",
-                "unknown_layout",
-            )
-        return li.manifests[shard]
+        return self.catalog.manifest(model, version, layout, shard)
 
     def allocate_version(self, now: float, model: str, version: Optional[int] = None,
                          request_id: Optional[str] = None) -> int:
-        """A publisher asks for a new version (``None``) or claims an explicit one.
-
-        An explicit version above the counter raises the counter to it; one at or below it
-        must already exist (versions are never reused). A new version asked for again with
-        the same ``request_id`` (a client retry whose first answer was lost) gets the same
-        number: retries never skip one."""
+        """A publisher asks for a new version (``None``) or claims an explicit one
+        (``Catalog.allocate``: never reused; a retry with the same ``request_id`` gets the
+        first answer)."""
         now = self._now(now)
-        if version is None and request_id is not None:
-            hit = self.allocations.get((model, request_id))
-            if hit is not None:
-                return hit
-        m = self.models.get(model)
-        if m is None:
-            m = self.models[model] = ModelInfo()
-        if version is None:
-            version = m.counter + 1
-        elif version <= m.counter:
-            if version in m.versions:
-                return version
-            raise ConflictError(
-                409,
-                f"version {version} of {model!r} was skipped or retired (counter is {m.counter}); "
-                "versions are never reused",
-                "version_reused",
-            )
-        m.counter = version
-        m.versions[version] = VersionInfo(created=now)
-        self._writes.append(("model", (model,), m.counter))
-        self._writes.append(("version", (model, version), now))
-        if request_id is not None:
-            self.allocations[(model, request_id)] = version
-            self._writes.append(("allocation", (model, request_id), version))
-            if version % 64 == 0:  # keep the answers of the last ALLOCATIONS_KEPT allocations
-                floor = version - ALLOCATIONS_KEPT
-                for key in [k for k, v in self.allocations.items() if k[0] == model and v <= floor]:
-                    del self.allocations[key]
-                self._writes.append(("allocation_floor", (model,), floor))
-        return version
+        return self.catalog.allocate(now, model, version, request_id)
 
     def latest(self, model: str, newer_than: Optional[int] = None) -> Optional[int]:
         """Newest complete version (or None); ``newer_than`` only filters."""
-        m = self._model(model)
-        best = None
-        for v, vi in m.versions.items():
-            if vi.complete and (best is None or v > best):
-                best = v
-        if best is not None and newer_than is not None and best <= newer_than:
-            return None
-        return best
+        return self.catalog.latest(model, newer_than)
 
     def resolve(self, now: float, model: str, group: Optional[str], newer_than: Optional[int] = None) -> int:
         """Pick the version a reader (or every rank of ``group``) fetches."""
@@ -446,7 +292,7 @@ class CoordinatorState:
         v = self.latest(model, newer_than)
         if v is None:
             what = f"newer than {newer_than}" if newer_than is not None else "yet"
-            raise NotFoundError(404, f"model {model!r} has no complete version {what}", "no_complete_version")
+            raise NotFoundError(f"model {model!r} has no complete version {what}", "no_complete_version")
         if group is not None:
             self.groups[(model, group)] = (v, now + self.config.group_ttl)
         return v
@@ -456,57 +302,29 @@ class CoordinatorState:
         """A holder announces it holds a complete shard. Returns (replica_id, version complete)."""
         now = self._now(now)
         self._worker(req.worker_id)
-        vi = self._version(req.model, req.version)
-        li = vi.layouts.get(req.layout)
-        if li is None:
-            li = vi.layouts[req.layout] = LayoutInfo(num_shards=req.num_shards)
-            self._writes.append(("layout", (req.model, req.version, req.layout), req.num_shards))
-        elif li.num_shards != req.num_shards:
-            raise ManifestMismatchError(
-                409,
-                f"{req.model!r} v{req.version} layout {req.layout!r}: num_shards {req.num_shards} "
-                f"!= registered {li.num_shards}",
-                "manifest_mismatch",
-            )
-        known = li.manifests.get(req.shard)
-        if req.partial:
-            self._check_partial(req, known)
-        if known is None:
-            li.manifests[req.shard] = req.manifest
-            self._writes.append(("manifest", (req.model, req.version, req.layout, req.shard), req.manifest))
-        else:
-            diff = first_difference(known, req.manifest)
-            if diff is not None:
-                raise ManifestMismatchError(
-                    409,
-                    f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}: {diff}",
-                    "manifest_mismatch",
-                )
-        for r in self.replicas.values():  # idempotent re-registration (same memory)
-            if (r.worker_id, r.model, r.version, r.layout, r.shard) == (
-                req.worker_id, req.model, req.version, req.layout, req.shard
-            ) and not r.draining and r.addresses == list(req.addresses):
-                r.addresses = list(req.addresses)
+        li = self.catalog.add_manifest(req, self._check_partial if req.partial else None)
+        key = ShardKey(req.model, req.version, req.layout, req.shard)
+        for r in self.registry.replicas_of_shard(key):  # idempotent re-registration (same memory)
+            if r.worker_id == req.worker_id and not r.draining and r.addresses == list(req.addresses):
                 if not req.partial:
                     r.chunks, r.coming = None, set()  # a partial replica completed
                 return r.replica_id, li.complete
         rid = self._new_id("r")
-        self.replicas[rid] = Replica(
+        self.registry.add_replica(Replica(
             rid, req.worker_id, req.model, req.version, req.layout, req.shard, list(req.addresses), now,
             chunks=set() if req.partial else None, num_chunks=req.num_chunks if req.partial else 0,
-        )
+        ))
         return rid, li.complete
 
     @staticmethod
     def _check_partial(req: RegisterReplica, known: Optional[Manifest]) -> None:
         where = f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}"
         if known is None:
-            raise ConflictError(409, f"partial replica of {where}, which has no complete replica yet",
-                                "unknown_layout")
+            raise ConflictError(f"partial replica of {where}, which has no complete replica yet", "unknown_layout")
         grid = grid_chunk_bytes(known.nbytes)
         if req.chunk_bytes != grid or req.num_chunks < 1:
             raise ConflictError(
-                409, f"partial replica of {where}: chunk grid {req.chunk_bytes} bytes x {req.num_chunks} "
+                f"partial replica of {where}: chunk grid {req.chunk_bytes} bytes x {req.num_chunks} "
                 f"!= the shard's {grid} bytes", "bad_chunk_grid")
 
     def add_chunks(self, now: float, replica_id: str, worker_id: str, chunks: Iterable[int],
@@ -518,24 +336,20 @@ class CoordinatorState:
         self._worker(worker_id)
         r = self.replicas.get(replica_id)
         if r is None or r.worker_id != worker_id:
-            raise NotFoundError(404, f"worker {worker_id!r} has no replica {replica_id!r}", "unknown_replica")
+            raise NotFoundError(f"worker {worker_id!r} has no replica {replica_id!r}", "unknown_replica")
         for lid in lease_ids:
             l = self.leases.get(lid)
             if l is None or l.worker_id != worker_id or l.expires < now:
-                raise ConflictError(409, f"lease {lid} has lapsed; chunks read under it are not served",
-                                    "lease_lapsed")
+                raise ConflictError(f"lease {lid} has lapsed; chunks read under it are not served", "lease_lapsed")
         if r.chunks is None:
             return r.num_chunks
         for c in chunks:
             if not 0 <= c < r.num_chunks:
-                raise ConflictError(409, f"chunk {c} outside [0, {r.num_chunks}) of {replica_id}", "bad_chunk")
+                raise ConflictError(f"chunk {c} outside [0, {r.num_chunks}) of {replica_id}", "bad_chunk")
             r.chunks.add(c)
         if coming is not None:
             r.coming = {c for c in coming if 0 <= c < r.num_chunks} - r.chunks
         return len(r.chunks)
-
-    def _open_leases(self, now: float, rids: set[str]) -> int:
-        return sum(1 for l in self.leases.values() if l.expires >= now and rids.intersection(l.replica_ids))
 
     def _available(self, model: str, version: int, without: set[str]) -> bool:
         """Does some complete layout of the version have a serving replica for every shard?"""
@@ -543,13 +357,11 @@ class CoordinatorState:
         for lname, li in vi.layouts.items():
             if not li.complete:
                 continue
-            have = {
-                r.shard
-                for r in self.replicas.values()
-                if r.model == model and r.version == version and r.layout == lname
-                and not r.draining and r.chunks is None and r.replica_id not in without
-            }
-            if len(have) == li.num_shards:
+            if all(
+                any(not r.draining and r.chunks is None and r.replica_id not in without
+                    for r in self.registry.replicas_of_shard(ShardKey(model, version, lname, shard)))
+                for shard in range(li.num_shards)
+            ):
                 return True
         return False
 
@@ -566,18 +378,16 @@ class CoordinatorState:
         them, or with ``replica_ids`` those of the same layout and shard."""
         now = self._now(now)
         self._worker(worker_id)
-        self._version(model, version)
+        self.catalog.version(model, version)
         only = None if replica_ids is None else set(replica_ids)
         mine = {
-            rid for rid, r in self.replicas.items()
-            if r.worker_id == worker_id and r.model == model and r.version == version
-            and (only is None or rid in only)
+            r.replica_id for r in self.registry.replicas_of_worker(worker_id)
+            if r.model == model and r.version == version and (only is None or r.replica_id in only)
         }
         parts = {(self.replicas[rid].layout, self.replicas[rid].shard) for rid in mine}
         fenced = {
-            rid for rid, r in self.tombstones.items()
-            if r.worker_id == worker_id and r.model == model and r.version == version
-            and (only is None or (r.layout, r.shard) in parts)
+            r.replica_id for r in self.registry.tombstones_of_worker(worker_id)
+            if r.model == model and r.version == version and (only is None or (r.layout, r.shard) in parts)
         }
         window = self.restored and now <= self.boot_time + self.config.lease_ttl
         if not mine and not fenced:
@@ -588,22 +398,21 @@ class CoordinatorState:
         if newly and self.latest(model) == version:
             if self._available(model, version, set()) and not self._available(model, version, mine):
                 raise RetentionError(
-                    409,
                     f"{worker_id!r} holds the last replica of {model!r} v{version}, the newest complete "
                     "version; it stays until another holder has it",
                     "retention",
                 )
         for rid in newly:
             self.replicas[rid].draining = True
-        open_ = self._open_leases(now, mine | fenced)
+        open_ = self.registry.open_leases(now, mine | fenced)
         if window:
             return False, max(open_, 1)  # leases granted before the restart may still run
         if open_:
             return False, open_
         for rid in mine:
-            del self.replicas[rid]
+            self.registry.drop_replica(rid)
         for rid in fenced:
-            del self.tombstones[rid]
+            self.registry.drop_tombstone(rid)
         return True, 0
 
     def report(self, now: float, replica_id: str, reporter: str, reason: str) -> Optional[Replica]:
@@ -627,37 +436,23 @@ class CoordinatorState:
             hit = self.lease_requests.get((req.worker_id, req.request_id))
             if hit is not None and hit[0] in self.leases and self.leases[hit[0]].expires >= now:
                 return hit[1]
-        vi = self._version(req.model, req.version)
-        li = vi.layouts.get(req.layout)
-        if li is None or req.shard not in li.manifests:
-            raise NotFoundError(
-                404,
-                f"{req.model!r} v{req.version} has no layout {req.layout!r} shard {req.shard} "
-                f"(layouts: {sorted(vi.layouts) or 'none'})",
-                "unknown_layout",
-            )
+        li = self.catalog.layout(req.model, req.version, req.layout, req.shard)
         excluded = set(req.exclude)
-        key = (req.model, req.version, req.layout, req.shard)
+        key = ShardKey(req.model, req.version, req.layout, req.shard)
         refresh = self.leases.get(req.lease_id) if req.lease_id is not None else None
         if refresh is not None and (refresh.worker_id != req.worker_id or refresh.expires < now
-                                    or (refresh.model, refresh.version, refresh.layout, refresh.shard) != key):
-            raise ConflictError(409, f"lease {req.lease_id} has lapsed or is not this reader's; read again",
+                                    or refresh.key != key):
+            raise ConflictError(f"lease {req.lease_id} has lapsed or is not this reader's; read again",
                                 "lease_lapsed")
-        load: dict[str, int] = {}
-        arrivals: set[str] = set()  # readers of this shard now: spreads where concurrent readers start
-        for l in self.leases.values():
-            if l.expires >= now and l is not refresh:
-                if (l.model, l.version, l.layout, l.shard) == key and l.worker_id != req.worker_id:
-                    arrivals.add(l.worker_id)
-                for rid in l.replica_ids:
-                    load[rid] = load.get(rid, 0) + 1
+        arrivals: set[str] = {  # readers of this shard now: spreads where concurrent readers start
+            l.worker_id for l in self.registry.leases_of_shard(key)
+            if l.expires >= now and l is not refresh and l.worker_id != req.worker_id
+        }
         cands, by_id = [], {}
         own: Optional[frozenset] = None
         own_num = 0
         partials: list[tuple[Replica, Worker]] = []  # other readers' partial replicas
-        for r in self.replicas.values():
-            if (r.model, r.version, r.layout, r.shard) != key:
-                continue
+        for r in self.registry.replicas_of_shard(key):
             if r.worker_id == req.worker_id and r.chunks is not None:
                 own, own_num = frozenset(r.chunks | r.coming), r.num_chunks
             if r.chunks is not None and r.worker_id != req.worker_id:
@@ -670,8 +465,9 @@ class CoordinatorState:
             w = self.workers.get(r.worker_id)
             if w is None:
                 continue
+            load = sum(1 for l in self.registry.leases_naming((r.replica_id,)) if l.expires >= now and l is not refresh)
             by_id[r.replica_id] = (r, w)
-            cands.append(Candidate(r.replica_id, r.worker_id, w.locality, load.get(r.replica_id, 0),
+            cands.append(Candidate(r.replica_id, r.worker_id, w.locality, load,
                                    r.registered_at, None if r.chunks is None else frozenset(r.chunks),
                                    frozenset(r.coming) if r.chunks is not None else frozenset()))
         skeys = {lvl: key + (lvl,) + group_key(reader.locality, lvl) for lvl in LEVELS}
@@ -684,7 +480,6 @@ class CoordinatorState:
         if not choice.sources and not (req.pipelined and cands):
             self._check_gone(now, key, req.worker_id)
             raise ConflictError(
-                409,
                 f"no replica of {req.model!r} v{req.version} layout {req.layout!r} shard {req.shard} "
                 "is serving now",
                 "no_replica",
@@ -697,20 +492,20 @@ class CoordinatorState:
         if refresh is not None:
             lid, lease = refresh.lease_id, refresh
             # Keep naming replicas an earlier answer sent it to: reads from them may still run.
-            lease.replica_ids = tuple(dict.fromkeys(lease.replica_ids + ids))  # expiry: renew only
+            self.registry.name_replicas(lease, ids)  # expiry: renew only
         else:
             lid = self._new_id("l")
             lease = Lease(lid, req.worker_id, req.model, req.version, req.layout, req.shard, ids, now,
                           now + self.config.lease_ttl, start_fraction(len(arrivals)), start_reverse(len(arrivals)))
-            self.leases[lid] = lease
+            self.registry.add_lease(lease)
             for _, r, w in chosen:
                 r.served += 1
                 w.served_leases += 1
         # A scarce complete source (the publisher, the slow link) is split between readers
         # near each other, not raced for (_planner.claims / reserve_chunks).
         held_back: dict[str, frozenset] = {}
-        for l in self.leases.values():
-            if l is not lease and l.expires >= now and (l.model, l.version, l.layout, l.shard) == key:
+        for l in self.registry.leases_of_shard(key):
+            if l is not lease and l.expires >= now:
                 held_back[l.worker_id] = held_back.get(l.worker_id, frozenset()) | l.reserved
         claimed = claims([(c, cost) for c, cost in choice.sources],
                          [(locality_cost(reader.locality, w.locality), frozenset(r.coming),
@@ -751,49 +546,46 @@ class CoordinatorState:
             self.lease_requests[(req.worker_id, req.request_id)] = (lid, grant)
         return grant
 
-    def _check_gone(self, now: float, key: tuple, reader: str) -> None:
+    def _check_gone(self, now: float, key: ShardKey, reader: str) -> None:
         """Raise ``version_gone`` when nobody serves the shard and nobody can again
         (invariant 11): it is not the newest complete version, no replica of it (complete,
         partial, draining, suspect or fenced) is left, no other reader holds a lease on it
         (a plain reader registers its copy after reading), and re-registration after a
         restart (within ``worker_ttl`` of boot) is over."""
-        model, version = key[0], key[1]
+        model, version = key.model, key.version
         newest = self.latest(model)
         if newest is None or version >= newest:
             return
         if self.restored and now <= self.boot_time + self.config.worker_ttl:
             return
-        if any((r.model, r.version, r.layout, r.shard) == key and r.worker_id != reader
-               for r in itertools.chain(self.replicas.values(), self.tombstones.values())):
+        if any(r.worker_id != reader for r in itertools.chain(self.registry.replicas_of_shard(key),
+                                                              self.registry.tombstones_of_shard(key))):
             return  # (the reader's own partial replica holds nothing it could read)
-        if any((l.model, l.version, l.layout, l.shard) == key and l.expires >= now and l.worker_id != reader
-               for l in self.leases.values()):
+        if any(l.expires >= now and l.worker_id != reader for l in self.registry.leases_of_shard(key)):
             return
         raise ConflictError(
-            409,
-            f"{model!r} v{version} (layout {key[2]!r} shard {key[3]}) is no longer held by anyone and "
+            f"{model!r} v{version} (layout {key.layout!r} shard {key.shard}) is no longer held by anyone and "
             f"cannot come back (it is not the newest); the newest complete version is v{newest}",
             "version_gone",
         )
 
-    def _seeder_alive(self, now: float, seeder: Optional[str], key: tuple) -> bool:
+    def _seeder_alive(self, now: float, seeder: Optional[str], key: ShardKey) -> bool:
         """Does the seeder named for a datacenter still count: a live worker holding a
         serving replica (partial or complete) of the shard, or (before it registered its
         partial replica) still holding a lease on the shard."""
         if seeder is None or seeder not in self.workers:
             return False
-        for r in self.replicas.values():
-            if r.worker_id == seeder and (r.model, r.version, r.layout, r.shard) == key:
+        for r in self.registry.replicas_of_shard(key):
+            if r.worker_id == seeder:
                 return not r.draining and r.suspect_until <= now
-        return any(l.worker_id == seeder and (l.model, l.version, l.layout, l.shard) == key and l.expires >= now
-                   for l in self.leases.values())
+        return any(l.worker_id == seeder and l.expires >= now for l in self.registry.leases_of_shard(key))
 
     def renew_lease(self, now: float, lease_id: str) -> float:
         """Extend a still-valid lease by ``lease_ttl``; a lapsed one cannot be renewed."""
         now = self._now(now)
         l = self.leases.get(lease_id)
         if l is None or l.expires < now:
-            raise ConflictError(409, f"lease {lease_id} has lapsed; read again", "lease_lapsed")
+            raise ConflictError(f"lease {lease_id} has lapsed; read again", "lease_lapsed")
         l.expires = now + self.config.lease_ttl
         return self.config.lease_ttl
 
@@ -807,7 +599,7 @@ class CoordinatorState:
         draining before ``boot + lease_ttl`` (``unpublish``), so they never overwrite bytes
         such a reader may still be reading."""
         now = self._now(now)
-        l = self.leases.pop(lease_id, None)
+        l = self.registry.drop_lease(lease_id)
         if l is None:
             return False
         return now <= l.expires
@@ -820,7 +612,7 @@ class CoordinatorState:
         Returns an ended fetch's bytes by distance (``DISTANCES``, or ``unknown`` for a
         worker no longer registered); ``{}`` for a running one."""
         now = self._now(now)
-        self._model(req.model)
+        self.catalog.model(req.model)
         key = (req.worker_id, req.model, req.version, req.layout, req.shard)
         if req.state == "running":
             if key in self.fetching or len(self.fetching) < MAX_LIVE_FETCHES:
@@ -840,93 +632,13 @@ class CoordinatorState:
 
     def record_swap(self, now: float, req: SwapReport) -> None:
         """An engine reports a swap (only known models are accepted; see ``record_fetch``)."""
-        self._model(req.model)
-
-    def metrics_view(self, now: float) -> dict:
-        """What ``/metrics`` shows of the state: per model, its latest complete version,
-        version counter, versions with a replica, replicas by state (``fenced``: tombstones
-        of dropped workers that leases still name), bytes held by serving complete replicas,
-        open leases; the worker count, and how often a pause gave every worker a fresh ttl."""
-        models: dict[str, dict] = {}
-        for name, m in self.models.items():
-            models[name] = {"latest": self.latest(name), "counter": m.counter, "held_versions": set(),
-                            "replicas": {"serving": 0, "partial": 0, "suspect": 0, "draining": 0, "fenced": 0},
-                            "bytes": 0, "leases": 0}
-        for r in self.replicas.values():
-            mv = models.get(r.model)
-            if mv is None:
-                continue
-            state = "draining" if r.draining else "suspect" if r.suspect_until > now else \
-                "partial" if r.chunks is not None else "serving"
-            mv["replicas"][state] += 1
-            if state == "serving":
-                mv["held_versions"].add(r.version)
-                li = self.models[r.model].versions[r.version].layouts.get(r.layout)
-                man = li.manifests.get(r.shard) if li is not None else None
-                mv["bytes"] += man.nbytes if man is not None else 0
-        for r in self.tombstones.values():
-            if r.model in models:
-                models[r.model]["replicas"]["fenced"] += 1
-        for l in self.leases.values():
-            if l.expires >= now and l.model in models:
-                models[l.model]["leases"] += 1
-        for mv in models.values():
-            mv["held_versions"] = len(mv["held_versions"])
-        return {"workers": len(self.workers), "models": models, "pauses": self.pauses}
+        self.catalog.model(req.model)
 
     # ----------------------------------------------------------------- views
-    def status(self, now: float) -> dict:
-        """Everything ``tensorhub status`` shows."""
-        models = []
-        for name, m in sorted(self.models.items()):
-            versions = []
-            for v, vi in sorted(m.versions.items()):
-                reps = [r for r in self.replicas.values() if r.model == name and r.version == v]
-                versions.append({
-                    "version": v,
-                    "complete": vi.complete,
-                    "layouts": {
-                        lname: {"num_shards": li.num_shards, "complete": li.complete,
-                                "nbytes": sum(mf.nbytes for mf in li.manifests.values())}
-                        for lname, li in vi.layouts.items()
-                    },
-                    "replicas": [
-                        {
-                            "replica_id": r.replica_id, "worker_id": r.worker_id, "layout": r.layout,
-                            "shard": r.shard, "draining": r.draining,
-                            "suspect": r.suspect_until > now,
-                            "endpoint": self.workers[r.worker_id].endpoint,
-                            "locality": self.workers[r.worker_id].locality.model_dump(),
-                            "open_leases": self._open_leases(now, {r.replica_id}),
-                            "served": r.served,
-                            "partial": None if r.chunks is None else f"{len(r.chunks)}/{r.num_chunks}",
-                        }
-                        for r in sorted(reps, key=lambda r: r.registered_at)
-                    ],
-                })
-            models.append({"model": name, "counter": m.counter, "latest": self.latest(name), "versions": versions})
-        return {
-            "epoch": self.epoch,
-            "models": models,
-            "workers": [
-                {"worker_id": w.worker_id, "endpoint": w.endpoint, "locality": w.locality.model_dump(),
-                 "last_seen_ago": round(now - w.last_seen, 3), "served_leases": w.served_leases,
-                 "served_bytes": w.served_bytes}
-                for w in self.workers.values()
-            ],
-            "leases": [
-                {"lease_id": l.lease_id, "worker_id": l.worker_id, "model": l.model, "version": l.version,
-                 "layout": l.layout, "shard": l.shard, "replicas": list(l.replica_ids),
-                 "expires_in": round(l.expires - now, 3)}
-                for l in self.leases.values() if l.expires >= now
-            ],
-            # Fetches running now (readers report about once a second, fetches over a second).
-            "fetches": [
-                {"worker_id": f.worker_id, "model": f.model, "version": f.version, "layout": f.layout,
-                 "shard": f.shard, "nbytes": f.nbytes, "total": f.total, "seconds": f.seconds,
-                 "sources": dict(f.sources), "failed_sources": f.failed_sources,
-                 "reported_ago": round(now - at, 3)}
-                for f, at in self.fetching.values() if now <= at + FETCH_STALE
-            ],
-        }
+    def metrics_view(self, now: float) -> dict:
+        """What ``/metrics`` shows of the state (``_views.metrics_view``)."""
+        return metrics_view(self, now)
 
+    def status(self, now: float) -> dict:
+        """Everything ``tensorhub status`` shows (``_views.status_view``)."""
+        return status_view(self, now)

@@ -14,7 +14,7 @@ import sqlite3
 from pathlib import Path
 from typing import Iterable
 
-from ._state import Write
+from ._catalog import Write
 from ._wire import Manifest
 
 __all__ = ["SqliteStore"]

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Optional
 from urllib.parse import urlsplit
 
 from ._exceptions import ConfigError, TensorHubError
-from ._state import Write
+from ._catalog import Write
 from ._wire import Manifest
 
 __all__ = ["EtcdStore", "EtcdEndpoints", "EtcdUnavailable", "Fenced", "parse_store_url"]

@@ -9,23 +9,13 @@ import json
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional, Sequence, TextIO
 
-from . import envs
-from ._exceptions import ConfigError, TensorHubError
+from ._exceptions import TensorHubError
+from .config import HubConfig, read_token
 from .follow import ProgressLine
 
 __all__ = ["main", "format_status", "ProgressLine"]
-
-
-def _read_token(path: Optional[str]) -> Optional[str]:
-    if path is None:
-        return None
-    text = Path(path).read_text().strip()
-    if not text:
-        raise ConfigError(f"token file {path} is empty")
-    return text
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -38,7 +28,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         print(f"tensorhub coordinator serving on {url}", flush=True)
 
-    serve(args.host, args.port, args.state_dir, token=_read_token(args.token_file), config=config,
+    serve(args.host, args.port, args.state_dir, token=read_token(args.token_file), config=config,
           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, on_ready=ready,
           store=args.store, advertise_url=args.advertise_url, election_ttl=args.election_ttl,
           etcd_ca_file=args.etcd_ca_file, etcd_cert_file=args.etcd_cert_file, etcd_key_file=args.etcd_key_file)
@@ -111,11 +101,8 @@ def format_status(st: dict) -> str:
 def _status(args: argparse.Namespace) -> int:
     from ._client import CoordinatorClient
 
-    url = envs.pick(args.coordinator, "TENSORHUB_COORDINATOR")
-    if not url:
-        raise ConfigError("no coordinator URL: pass --coordinator or set TENSORHUB_COORDINATOR")
-    token = _read_token(args.token_file) if args.token_file else envs.TENSORHUB_TOKEN
-    api = CoordinatorClient(url, token, retry_timeout=5.0, ca_file=args.ca_file)
+    cfg = HubConfig.from_cli(args.coordinator, args.token_file, args.ca_file)
+    api = CoordinatorClient(cfg.coordinator, cfg.token, retry_timeout=5.0, ca_file=cfg.ca_file)
     try:
         if args.watch is None:
             st = api.status()
@@ -155,7 +142,7 @@ def _fetch(args: argparse.Namespace) -> int:
     checks that this host can reach the holders, and how fast."""
     import tensorhub
 
-    token = _read_token(args.token_file) if args.token_file else None
+    cfg = HubConfig.from_cli(args.coordinator, args.token_file, args.ca_file)
     line = ProgressLine(sys.stderr)
 
     def show(p: Any) -> None:
@@ -164,7 +151,7 @@ def _fetch(args: argparse.Namespace) -> int:
         else:
             line.draw(p.line())
 
-    with tensorhub.connect(args.coordinator, token=token, ca_file=args.ca_file) as hub:
+    with tensorhub.connect(config=cfg) as hub:
         f = hub.fetch(args.model, args.version, layout=args.layout, shard=args.shard, serve=False,
                       timeout=args.timeout, progress=show)
         line.done()

@@ -34,7 +34,10 @@ from fastapi import Body, FastAPI, Path as PathParam, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from ._exceptions import ConfigError, CoordinatorError
+from ._exceptions import (
+    ConfigError, ConflictError, CoordinatorError, InvalidRequestError, NotFoundError, UnauthorizedError,
+)
+from ._catalog import Catalog
 from ._metrics import CoordinatorMetrics
 from ._state import CoordinatorState, StateConfig
 from ._store import SqliteStore
@@ -114,7 +117,7 @@ class Coordinator:
 
     def _check_leader(self) -> None:
         if not self.leading():
-            raise CoordinatorError(503, "this coordinator is not the leader", NOT_LEADER)
+            raise CoordinatorError("this coordinator is not the leader", NOT_LEADER, status=503)
 
     def _elected(self, fence: int) -> None:
         with self.lock:
@@ -144,7 +147,7 @@ class Coordinator:
                             logger.warning("store commit failed (%s); stepping down", e)
                             self.serving = False
                             self.election.resign(f"commit failed: {e}")
-                            raise CoordinatorError(503, f"not committed, stepped down: {e}", NOT_LEADER) from None
+                            raise CoordinatorError(f"not committed, stepped down: {e}", NOT_LEADER, status=503) from None
                         # Memory ran ahead of disk: rebuild the durable part from disk.
                         logger.exception("store commit failed; reloading durable state")
                         self._reload()
@@ -158,13 +161,9 @@ class Coordinator:
             return fn(*args)
 
     def _reload(self) -> None:
-        fresh = CoordinatorState.restore(self.store.load(), self.config, now=self.clock())
-        fresh.epoch, fresh.boot_time, fresh.restored = self.state.epoch, self.state.boot_time, self.state.restored
-        fresh.workers, fresh.replicas, fresh.leases = self.state.workers, self.state.replicas, self.state.leases
-        fresh.tombstones, fresh.lease_requests = self.state.tombstones, self.state.lease_requests
-        fresh.clock, fresh.pauses = self.state.clock, self.state.pauses
-        fresh.fetching = self.state.fetching
-        self.state = fresh
+        """Memory ran ahead of disk: the catalog is read back from the store; the soft
+        registry (and everything else in memory) stays."""
+        self.state.catalog = Catalog.restore(self.store.load())
 
     def expire(self) -> None:
         with self.lock:
@@ -283,8 +282,7 @@ class _FastHeartbeat:
             w = self.coord.call(lambda now: self.coord.state.heartbeat(now, wid))
             resp = JSONResponse(_heartbeat_answer(self.coord, w))
         except CoordinatorError as e:
-            resp = (_not_leader(self.coord, scope) if e.code == NOT_LEADER else
-                    JSONResponse({"code": e.code or "error", "detail": e.message}, e.status or 500))
+            resp = _not_leader(self.coord, scope) if e.code == NOT_LEADER else error_response(e)
         await resp(scope, receive, send)
 
 
@@ -292,6 +290,17 @@ def _heartbeat_answer(coord: Coordinator, w: Any) -> dict:
     """The epoch, and what the worker served since this coordinator started (its Hub turns
     these totals into its ``tensorhub_hub_served_*`` counters)."""
     return {"epoch": coord.state.epoch, "served_leases": w.served_leases, "served_bytes": w.served_bytes}
+
+
+#: The HTTP status of each refusal of the state machine (which knows no HTTP); the first
+#: class in an error's MRO listed here decides, anything else is a 500.
+_HTTP_STATUS = {UnauthorizedError: 401, NotFoundError: 404, ConflictError: 409, InvalidRequestError: 422}
+
+
+def error_response(e: CoordinatorError) -> JSONResponse:
+    """The answer to a refused request: ``{"code", "detail"}`` with the refusal's status."""
+    status = e.status or next((_HTTP_STATUS[c] for c in type(e).__mro__ if c in _HTTP_STATUS), 500)
+    return JSONResponse({"code": e.code or "error", "detail": e.message}, status)
 
 
 class _PrometheusText(Response):
@@ -321,7 +330,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     async def _coordinator_error(request: Request, exc: CoordinatorError) -> JSONResponse:
         if exc.code == NOT_LEADER:
             return _not_leader(coord, request.scope)
-        return JSONResponse({"code": exc.code or "error", "detail": exc.message}, exc.status or 500)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

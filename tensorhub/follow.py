@@ -16,8 +16,9 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
+
+from .config import HubConfig
 
 __all__ = ["Driver", "ProgressLine", "drivers", "follow", "main", "parser", "pick", "progress_text"]
 
@@ -155,9 +156,8 @@ def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tupl
 
     import tensorhub
 
-    token = Path(args.token_file).read_text().strip() if args.token_file else None
     try:
-        hub = tensorhub.connect(args.coordinator, token=token)
+        hub = tensorhub.connect(config=HubConfig.from_cli(args.coordinator, args.token_file))
     except tensorhub.TensorHubError as e:
         print(f"tensorhub follow: {e}", file=sys.stderr)
         return 2

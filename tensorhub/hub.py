@@ -26,15 +26,11 @@ Engines report their swaps with :meth:`Hub.report_swap`.
 from __future__ import annotations
 
 import logging
-import os
-import secrets
-import socket
 import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from . import _holder, envs
-from ._checksum import check_mode
+from . import _holder
 from ._client import CoordinatorClient
 from ._exceptions import ConfigError, HubClosedError, NotFoundError, HubTimeoutError, TensorHubError
 from ._fencing import LeaseClock, Quarantine
@@ -43,6 +39,7 @@ from ._fetch import QUARANTINE as _QUARANTINE, release_checked, release_lease  #
 from ._holdings import Holdings
 from ._metrics import FetchProgress, Track, hub_metrics
 from ._session import Session
+from .config import HubConfig, parse_locality
 from ._wire import LeaseGrant, Locality, TensorSpec
 from .transport import Transport
 
@@ -51,18 +48,11 @@ __all__ = ["Hub", "Fetched", "connect", "parse_locality"]
 logger = logging.getLogger(__name__)
 
 
-def parse_locality(text: Optional[str]) -> Locality:
-    """``"dc=a,zone=z1,host=h3"`` -> Locality; missing labels default from the hostname."""
-    labels = {"datacenter": "default", "zone": "default", "host": socket.gethostname()}
-    aliases = {"dc": "datacenter", "datacenter": "datacenter", "zone": "zone", "host": "host"}
-    for part in (text or "").split(","):
-        if not part.strip():
-            continue
-        key, sep, value = part.partition("=")
-        if not sep or key.strip() not in aliases:
-            raise ConfigError(f"bad locality label {part!r}; expected dc=..,zone=..,host=..")
-        labels[aliases[key.strip()]] = value.strip()
-    return Locality(**labels)
+def _option(name: str) -> property:
+    """A Hub setting that may change on a live Hub (``hub.pipelined = False``): the
+    config is replaced (and checked again)."""
+    return property(lambda self: getattr(self.config, name),
+                    lambda self, value: setattr(self, "config", self.config.replace(**{name: value})))
 
 
 class Hub:
@@ -70,44 +60,34 @@ class Hub:
     the worker's session (``_session``), what it holds (``_holdings``), the holder calls
     (``_holder``) and one read path (``_fetch.Fetch``) do the work."""
 
-    def __init__(self, url: Optional[str] = None, *, worker_id: Optional[str] = None,
-                 locality: Optional[Locality | str | Mapping[str, str]] = None, token: Optional[str] = None,
-                 transport: Optional[Transport] = None, heartbeat_interval: Optional[float] = None,
-                 progress_timeout: Optional[float] = None, chunk_bytes: Optional[int] = None,
-                 max_sources: Optional[int] = None, fetch_timeout: float = 600.0,
-                 retain_on_cpu: Optional[bool] = None,
-                 pipelined: Optional[bool] = None, ca_file: Optional[str] = None,
-                 checksum: Optional[str] = None) -> None:
-        url = envs.pick(url, "TENSORHUB_COORDINATOR")
-        if not url:
-            raise ConfigError("no coordinator URL: pass one or set TENSORHUB_COORDINATOR")
-        self.url = url
-        self.worker_id = envs.pick(worker_id, "TENSORHUB_WORKER_ID") or \
-            f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        if isinstance(locality, Locality):
-            self.locality = locality
-        elif isinstance(locality, Mapping):
-            self.locality = parse_locality(",".join(f"{k}={v}" for k, v in locality.items()))
-        else:
-            self.locality = parse_locality(envs.pick(locality, "TENSORHUB_LOCALITY"))
-        self._token = envs.pick(token, "TENSORHUB_TOKEN")
-        #: CA bundle for an https coordinator (argument > TENSORHUB_CA_FILE > system CAs).
-        self._ca_file = envs.pick(ca_file, "TENSORHUB_CA_FILE")
-        self.heartbeat_interval = float(envs.pick(heartbeat_interval, "TENSORHUB_HEARTBEAT_INTERVAL"))
-        self.progress_timeout = float(envs.pick(progress_timeout, "TENSORHUB_PROGRESS_TIMEOUT"))
-        self.chunk_bytes = int(envs.pick(chunk_bytes, "TENSORHUB_CHUNK_BYTES"))
-        self.max_sources = int(envs.pick(max_sources, "TENSORHUB_STRIPE"))
-        #: Read from readers still receiving, serve while receiving, seed across datacenters.
-        self.pipelined = bool(envs.pick(pipelined, "TENSORHUB_PIPELINED"))
-        #: Per-chunk checksums: auto (CPU memory), on (CUDA too), off (_checksum).
-        self.checksum = check_mode(envs.pick(checksum, "TENSORHUB_CHECKSUM"))
-        self.fetch_timeout = fetch_timeout
-        self.retain_on_cpu = bool(envs.pick(retain_on_cpu, "TENSORHUB_RETAIN_ON_CPU"))
+    def __init__(self, url: Optional[str] = None, *, config: Optional[HubConfig] = None,
+                 transport: Optional[Transport] = None, **options: Any) -> None:
+        """``config``: a resolved :class:`~tensorhub.config.HubConfig`; else one is
+        resolved from ``url`` and ``options`` (its field names: worker_id, locality, token,
+        ca_file, heartbeat_interval, progress_timeout, chunk_bytes, max_sources, pipelined,
+        checksum, retain_on_cpu, fetch_timeout), each argument > environment > default."""
+        if config is None:
+            config = HubConfig.resolve(url, **options)
+        elif url is not None or options:
+            raise ConfigError("pass either config= or url and options, not both")
+        self.config = config
         self._holdings = Holdings()
-        self._session = Session(self.url, self.worker_id, self.locality, self._holdings, token=self._token,
-                                ca_file=self._ca_file, transport=transport,
-                                heartbeat_interval=self.heartbeat_interval, progress_timeout=self.progress_timeout)
+        self._session = Session(config, self._holdings, transport=transport)
         self._closed = False
+
+    # The settings, read from (and, for the few that may change on a live Hub, written
+    # to) the one config object.
+    url = property(lambda self: self.config.coordinator)
+    worker_id = property(lambda self: self.config.worker_id)
+    locality = property(lambda self: self.config.locality)
+    heartbeat_interval = property(lambda self: self.config.heartbeat_interval)
+    progress_timeout = property(lambda self: self.config.progress_timeout)
+    chunk_bytes = _option("chunk_bytes")
+    max_sources = _option("max_sources")
+    pipelined = _option("pipelined")
+    checksum = _option("checksum")
+    fetch_timeout = _option("fetch_timeout")
+    retain_on_cpu = _option("retain_on_cpu")
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> "Hub":
@@ -347,8 +327,13 @@ class Hub:
 
 def connect(url: Optional[str] = None, *, worker_id: Optional[str] = None,
             locality: Optional[Locality | str | Mapping[str, str]] = None, token: Optional[str] = None,
-            **options: Any) -> Hub:
-    """Connect to the coordinator at ``url`` (default: ``TENSORHUB_COORDINATOR``); several
-    highly available coordinators are given comma-separated (``"http://c1:7777,http://c2:7777"``):
-    the Hub follows the leader and fails over by itself."""
-    return Hub(url, worker_id=worker_id, locality=locality, token=token, **options).connect()
+            config: Optional[HubConfig] = None, transport: Optional[Transport] = None, **options: Any) -> Hub:
+    """Connect to the coordinator at ``url`` (default: ``TENSORHUB_COORDINATOR``); or with
+    a resolved ``config`` (:class:`~tensorhub.config.HubConfig`). Several highly available
+    coordinators are given comma-separated (``"http://c1:7777,http://c2:7777"``): the Hub
+    follows the leader and fails over by itself."""
+    if config is None:
+        config = HubConfig.resolve(url, worker_id=worker_id, locality=locality, token=token, **options)
+    elif url is not None or worker_id is not None or locality is not None or token is not None or options:
+        raise ConfigError("pass either config= or url and options, not both")
+    return Hub(config=config, transport=transport).connect()

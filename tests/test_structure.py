@@ -2,14 +2,18 @@
 
 Reads the source (every ``import``, at module level or inside a function) of ``tensorhub``
 and ``integrations``; nothing is imported or run. Fails on ``tensorhub`` importing
-``integrations`` (engine adapters register through entry points instead) and on any
-circle of modules importing each other, naming the modules of each circle.
+``integrations`` (engine adapters register through entry points instead), on one engine
+adapter importing the other or the adapters' core importing either (what both need lives
+in ``integrations._core``), and on any circle of modules importing each other, naming the
+modules of each circle.
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("tensorhub", "integrations")
@@ -104,12 +108,27 @@ def test_the_graph_is_read():
     g = _graph()
     assert "tensorhub._fetch" in g["tensorhub.hub"] and "tensorhub._session" in g["tensorhub._fetch"]
     assert "tensorhub.follow" in g["integrations.vllm.follow"]
+    assert "integrations._core.worker" in g["integrations.sglang.pull"]
 
 
 def test_tensorhub_never_imports_the_engine_adapters():
     bad = sorted((m, t) for m, deps in _graph().items() if m.startswith("tensorhub")
                  for t in deps if t.startswith("integrations"))
     assert not bad, f"tensorhub imports integrations (register a driver instead): {bad}"
+
+
+@pytest.mark.parametrize("engine, other", [("vllm", "sglang"), ("sglang", "vllm")])
+def test_an_engine_adapter_never_imports_the_other(engine, other):
+    """What both engines need is in the core (``integrations._core``), below both."""
+    bad = sorted((m, t) for m, deps in _graph().items() if m.startswith(f"integrations.{engine}")
+                 for t in deps if t.startswith(f"integrations.{other}"))
+    assert not bad, f"integrations.{engine} imports integrations.{other} (share it through integrations._core): {bad}"
+
+
+def test_the_adapters_core_imports_no_adapter():
+    bad = sorted((m, t) for m, deps in _graph().items() if m.startswith("integrations._core")
+                 for t in deps if t.startswith(("integrations.vllm", "integrations.sglang")))
+    assert not bad, f"integrations._core imports an engine adapter: {bad}"
 
 
 def test_no_import_circle():

@@ -15,8 +15,8 @@ loader registry, so the plug-in adds the load format ``tensorhub`` in three plac
 
 Then ``python -m sglang.launch_server --model-path DIR --load-format tensorhub
 --model-loader-extra-config '{"coordinator": URL, "model": NAME, "version": "latest"|N,
-"on_missing": "disk"|"wait"|"error"}'`` starts from peers: the vLLM adapter's settings
-(:class:`~integrations.sglang._settings.Settings`). Hot-swap: :mod:`.pull`; follow mode:
+"on_missing": "disk"|"wait"|"error"}'`` starts from peers: the settings both adapters share
+(:class:`~integrations._core.settings.Settings`). Hot-swap: :mod:`.pull`; follow mode:
 :mod:`.follow`; a seed for SGLang's own ``remote_instance`` loader: :mod:`.seed`.
 
 Importing this package imports no SGLang; :func:`register` does.

@@ -36,8 +36,10 @@ import logging
 import time
 from typing import Any, Optional, Sequence, Union
 
-from . import _runtime
-from ._settings import SettingsError
+from .._core import load, worker
+from .._core.settings import SettingsError
+from .._core.worker import WorkerState
+from . import _native, _runtime
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +81,8 @@ def requested_version(named_tensors: Sequence[Any]) -> Union[int, str]:
     raise ValueError(f"tensorhub: the update payload names version {v!r}; want a positive integer or 'latest'")
 
 
-def _state(model: Any) -> "_runtime.WorkerState":
-    st = _runtime.get_state()
+def _state(model: Any) -> WorkerState:
+    st = worker.get_state()
     if st is None:
         raise SettingsError("tensorhub: the pull function needs an engine started with --load-format tensorhub "
                             "(its --model-loader-extra-config names the coordinator and the model)")
@@ -95,7 +97,7 @@ def pull(model: Any, named_tensors: Sequence[Any]) -> None:
     swap(_state(model), model, requested)
 
 
-def swap(st: "_runtime.WorkerState", model: Any, requested: Union[int, str], *, what: str = "the update's version",
+def swap(st: WorkerState, model: Any, requested: Union[int, str], *, what: str = "the update's version",
          on_missing: str = "error", publish: bool = True) -> tuple[Optional[int], str]:
     """Steps 1-4 of the module docstring on this rank (also the loader's start, where no
     version runs yet, and which publishes after SGLang's post-processing: ``publish=False``).
@@ -107,17 +109,17 @@ def swap(st: "_runtime.WorkerState", model: Any, requested: Union[int, str], *, 
     got, layout, err = None, "hf", None
     v: Optional[int] = None
     try:
-        v = _runtime.resolve(st, requested, on_missing=on_missing, what=what)
+        v = worker.resolve(st, requested, on_missing=on_missing, what=what)
         if v is not None and v != old_v:
             # Every rank of a stage reads the same layout: its TP rank 0 looks, the stage's
             # TP group follows (the native layout's name differs per stage).
             layout = _runtime.stage().broadcast(_choose(st, model, v))
-            got = _runtime.fetch(st, v, layout)
+            got = worker.fetch(st, v, layout, shard=st.rank)
             if layout == "hf":
-                _runtime.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
+                load.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
             else:
-                _runtime.check_same_layout(_runtime.specs_of(_runtime.native_tensors(model)), got,
-                                           f"{s.model!r} v{v} ({layout})")
+                load.check_same_layout(load.specs_of(_native.native_tensors(model)), got,
+                                       f"{s.model!r} v{v} ({layout})")
     except Exception as e:
         err = str(e).removeprefix("tensorhub: ")
     err = _all_or_none(st, err)
@@ -136,43 +138,43 @@ def swap(st: "_runtime.WorkerState", model: Any, requested: Union[int, str], *, 
         return v, "none"
     t1 = time.monotonic()
     if layout == "hf":
-        _runtime.load_into(model, got, s.bucket_bytes)
-        st.specs, st.copy = _runtime.specs_of(got), (got if st.serving else None)
+        load.load_into(model, got, s.bucket_bytes, st.hooks.groups)
+        st.specs, st.copy = load.specs_of(got), (got if st.serving else None)
     else:
-        _runtime.copy_native(model, got)
+        load.copy_into(_native.native_tensors(model), got)
         st.copy = None
     st.version = v
     if publish:
-        _runtime.publish_native(st, model, v)
+        _native.publish(st, model, v)
     logger.info("tensorhub: %s %s v%d (%s): fetch %.2fs (%.1f MB from %s), apply %.2fs",
                 "swapped" if old_v is not None else "loaded", s.model, v, layout, t1 - t0, got.nbytes / 1e6,
                 got.sources, time.monotonic() - t1)
     return v, layout
 
 
-def _choose(st: "_runtime.WorkerState", model: Any, version: int) -> Optional[str]:
+def _choose(st: WorkerState, model: Any, version: int) -> Optional[str]:
     """This rank's say in its stage's layout broadcast: TP rank 0's choice, None elsewhere.
     Never raises (a rank raising here would leave its stage waiting in the broadcast): a
     fingerprint that cannot be computed means ``hf``."""
     try:
         if st.layout is None and st.settings.native:
-            st.layout = _runtime.fingerprint(model, st)
+            st.layout = _native.fingerprint(model, st)
     except Exception as e:
         logger.warning("tensorhub: cannot compute the native layout's name (%s); reading hf", e)
-    return _runtime.choose_layout(st, version) if st.rank == 0 else None
+    return _native.choose_layout(st, version) if st.rank == 0 else None
 
 
-def _all_or_none(st: "_runtime.WorkerState", err: Optional[str]) -> Optional[str]:
+def _all_or_none(st: WorkerState, err: Optional[str]) -> Optional[str]:
     """The first rank's error over the whole engine (every TP rank of every pipeline
     stage), naming the rank when there are several, the same on every rank."""
-    errors = [(where, e) for where, e in _runtime.gather(err) if e is not None]
-    if not errors:
+    failed = st.engine().first_error(err)
+    if failed is None:
         return None
-    where, why = errors[0]
+    where, why = failed
     return why + (f" ({where})" if where else "")
 
 
-def _unpublish(st: "_runtime.WorkerState", version: int) -> Optional[str]:
+def _unpublish(st: WorkerState, version: int) -> Optional[str]:
     """Stop serving ``version`` (native and hf); None once its readers drained."""
     import tensorhub
 
@@ -182,11 +184,11 @@ def _unpublish(st: "_runtime.WorkerState", version: int) -> Optional[str]:
         pass  # nothing registered (native off, not a serving rank)
     except tensorhub.TensorHubError as e:
         return f"v{version} is still being read ({e}); its memory stays untouched"
-    st.native_published, st.copy = False, None
+    st.native, st.copy = False, None
     return None
 
 
-def _drop(st: "_runtime.WorkerState", version: Optional[int]) -> None:
+def _drop(st: WorkerState, version: Optional[int]) -> None:
     """Unregister an hf copy fetched for a swap that did not happen."""
     if version is None:
         return

@@ -6,7 +6,7 @@ process it starts (API server, engine core, each worker). It registers:
 
 * the model loader ``tensorhub``: ``--load-format tensorhub
   --model-loader-extra-config '{"coordinator": URL, "model": NAME, "version": "latest"|N,
-  "on_missing": "disk"|"wait"|"error"}'`` (see :class:`~integrations.vllm._settings.Settings`
+  "on_missing": "disk"|"wait"|"error"}'`` (see :class:`~integrations._core.settings.Settings`
   for every key; ``TENSORHUB_COORDINATOR`` / ``TENSORHUB_TOKEN`` are the defaults);
 * the weight-transfer backend ``tensorhub``: ``--weight-transfer-config
   '{"backend": "tensorhub"}'``, then vLLM's ``start_weight_update`` /
@@ -47,7 +47,7 @@ def _share_vllm_logging() -> None:
     vllm_logger = logging.getLogger("vllm")
     if not vllm_logger.handlers or logging.getLogger().handlers:
         return
-    for name in ("integrations.vllm", "tensorhub"):
+    for name in ("integrations.vllm", "integrations._core", "tensorhub"):
         lg = logging.getLogger(name)
         if not lg.handlers:
             for h in vllm_logger.handlers:

@@ -12,7 +12,7 @@ and dtype before processing) can take them raw: no ``load_weights``, no processi
 * A starting engine whose fingerprint matches a complete layout fetches its own shard
   into host memory during ``load_weights`` (a failure falls back to the ``hf`` layout
   there), lets vLLM process its untouched parameters, then copies the shard over them
-  (names, shapes and dtypes checked first).
+  (names, shapes and dtypes checked first: :func:`integrations._core.load.copy_into`).
 * A swap changes the parameters in place, so the rank unpublishes the version it runs
   (every layout; this returns once its readers drained) before the first byte changes.
 
@@ -23,14 +23,16 @@ says why and the engine serves its ``hf`` copy instead. GPU engines serve both.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from typing import Any, Mapping, Optional
 
+from .._core.load import layout_name
+from .._core.worker import version_status
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["native_tensors", "fingerprint", "servable", "shard_of", "copy_into"]
+__all__ = ["native_tensors", "fingerprint", "servable", "shard_of", "available", "publish", "withdraw"]
 
 
 def native_tensors(model: Any) -> dict:
@@ -51,8 +53,8 @@ def shard_of(rank: int, tp_size: int, pp_rank: int) -> int:
 def fingerprint(model: Any, model_config: Any = None, *, tp_size: int = 1, pp_size: int = 1,
                 pp_rank: int = 0, engine_version: Optional[str] = None) -> str:
     """The native layout's name, ``vllm-<16 hex>``: a hash of everything that fixes the bytes
-    of one rank's parameters. Computed before weights are loaded, identically by the engine
-    that publishes and the one that reads."""
+    of one rank's parameters (:func:`~integrations._core.load.layout_name`). Computed before
+    weights are loaded, identically by the engine that publishes and the one that reads."""
     if engine_version is None:
         try:
             from importlib.metadata import version as _version
@@ -70,15 +72,11 @@ def fingerprint(model: Any, model_config: Any = None, *, tp_size: int = 1, pp_si
         cfg = hf.to_dict() if hasattr(hf, "to_dict") else {}
     except Exception:
         cfg = {}
-    doc = {
-        "engine": "vllm", "engine_version": engine_version,
-        "config": json.dumps(cfg, sort_keys=True, default=str),
-        "dtype": str(getattr(model_config, "dtype", "")),
-        "quantization": str(getattr(model_config, "quantization", None)),
-        "tp_size": tp_size, "pp_size": pp_size, "pp_rank": pp_rank,
-        "params": [(n, list(t.shape), str(t.dtype)) for n, t in native_tensors(model).items()],
-    }
-    return "vllm-" + hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return layout_name("vllm", native_tensors(model), engine_version=engine_version,
+                       config=json.dumps(cfg, sort_keys=True, default=str),
+                       dtype=str(getattr(model_config, "dtype", "")),
+                       quantization=str(getattr(model_config, "quantization", None)),
+                       tp_size=tp_size, pp_size=pp_size, pp_rank=pp_rank)
 
 
 #: vLLM's CPU kernels read prepacked copies of the linear weights (the parameters are then
@@ -102,45 +100,13 @@ def servable(tensors: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
-def copy_into(model: Any, got: Mapping[str, Any]) -> int:
-    """Copy a fetched native shard over the parameters; every name, shape and dtype is
-    checked before the first byte is written. Returns the bytes copied."""
-    params = native_tensors(model)
-    missing = sorted(set(params) - set(got))
-    extra = sorted(set(got) - set(params))
-    if missing or extra:
-        what = f"has no tensor {missing[0]!r}" if missing else f"has tensor {extra[0]!r}, which the engine lacks"
-        raise ValueError(f"the fetched native shard {what}")
-    for name, p in params.items():
-        g = got[name]
-        if tuple(g.shape) != tuple(p.shape) or g.dtype != p.dtype:
-            raise ValueError(f"the fetched native shard: tensor {name!r} is {g.dtype}{tuple(g.shape)}, "
-                             f"the engine's is {p.dtype}{tuple(p.shape)}")
-    n = 0
-    for name, p in params.items():
-        p.copy_(got[name], non_blocking=True)
-        n += p.numel() * p.element_size()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    except Exception:  # pragma: no cover - no CUDA
-        pass
-    return n
-
-
 def available(hub: Any, model: str, version: int, layout: str, shard: int) -> bool:
     """Whether ``version`` is complete in ``layout`` (every shard registered once) and a
     replica of ``shard`` serves it now (not draining, suspect or partial)."""
-    for m in hub.api.status()["models"]:
-        if m["model"] == model:
-            for v in m["versions"]:
-                if v["version"] == version:
-                    return bool(v["layouts"].get(layout, {}).get("complete")) and any(
-                        r["layout"] == layout and r["shard"] == shard and not r["draining"]
-                        and not r["suspect"] and r["partial"] is None for r in v["replicas"])
-    return False
+    v = version_status(hub, model, version)
+    return v is not None and bool(v["layouts"].get(layout, {}).get("complete")) and any(
+        r["layout"] == layout and r["shard"] == shard and not r["draining"]
+        and not r["suspect"] and r["partial"] is None for r in v["replicas"])
 
 
 def publish(st: Any, model: Any) -> bool:

@@ -28,8 +28,9 @@ __all__ = ["Prefetcher"]
 
 
 class Prefetcher:
-    """One per worker process (see the module docstring). ``take(v)`` hands over a
-    prefetched copy of ``v`` (or None); ``stop()`` ends the thread."""
+    """One per worker process (see the module docstring); ``st``: its
+    :class:`~integrations.vllm._runtime.WorkerState`. ``take(v)`` hands over a prefetched
+    copy of ``v`` (or None); ``stop()`` ends the thread."""
 
     def __init__(self, st: Any, poll: float = 30.0) -> None:
         self.st = st
@@ -55,8 +56,7 @@ class Prefetcher:
     def _run(self) -> None:
         import tensorhub
 
-        from . import _runtime
-        from .transfer import _RETIRE_LOCK
+        from .._core import worker
 
         st, s = self.st, self.st.settings
         while not self._stop.is_set():
@@ -74,12 +74,10 @@ class Prefetcher:
                 continue
             with self._cond:
                 self._busy = v
-            with _RETIRE_LOCK:
-                spare, st.spare = st.spare, None
             t0 = time.monotonic()
             got = None
             try:
-                got = _runtime.fetch(st, v, into=spare)
+                got = worker.fetch(st, v, into=st.take_spare())
             except Exception as e:
                 logger.warning("tensorhub: prefetching %s v%d failed (%s); the swap will fetch it", s.model, v, e)
             old = None
@@ -96,12 +94,9 @@ class Prefetcher:
                 self._stop.wait(1.0)
 
     def _retire(self, v: int, got: Any, reason: str) -> None:
-        from .transfer import _Mixin
-
         if v == self.st.version:  # the engine swapped to it by another path: it is the copy now
             return
-        threading.Thread(target=_Mixin._retire, args=(self.st, v, got, reason), name="tensorhub-retire",
-                         daemon=True).start()
+        self.st.retire_later(v, got, reason)
 
     def take(self, version: int, timeout: float) -> Optional[Any]:
         """The prefetched copy of ``version`` (waiting up to ``timeout`` while it is being

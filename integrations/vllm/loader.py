@@ -23,15 +23,17 @@ as the engine-native layout, and a start whose fingerprint matches a complete na
 layout copies its shard raw, with no ``load_weights`` (see ``_native``). On CPU vLLM
 prepacks linear weights, so only the ``hf`` copy is servable there (see ``_runtime`` for
 its memory cost).
+
+The engine-neutral steps (settings, connect, resolve, fetch, load in buckets, publish a
+disk load) are the core's (:mod:`integrations._core`); this module holds vLLM's hooks.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Optional
 
-from ._settings import Settings, SettingsError
+from .._core import load, worker
 from . import _native, _runtime
 
 logger = logging.getLogger(__name__)
@@ -43,35 +45,22 @@ def make_loader_class() -> type:
     """Build the loader class (vLLM is imported here, not at module import)."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    class TensorHubModelLoader(BaseModelLoader):
+    class TensorHubModelLoader(load.LoaderMixin, BaseModelLoader):
         """vLLM model loader for ``--load-format tensorhub``; see the module docstring."""
 
         def __init__(self, load_config: Any) -> None:
             super().__init__(load_config)
-            extra = load_config.model_loader_extra_config
-            if not isinstance(extra, dict):
-                raise SettingsError("tensorhub: --model-loader-extra-config must be a JSON object")
-            self.settings = Settings.from_config(extra)
             self._pending_disk: Optional[dict] = None
             self._pending_native: Any = None
 
-        def download_model(self, model_config: Any) -> None:
-            """Nothing to download: the weights come from peers."""
-
         def load_weights(self, model: Any, model_config: Any) -> None:
-            try:
+            with self.one_line_errors():
                 self._load(model, model_config)
-            except SettingsError as e:
-                logger.error("%s", e)  # the one line; vLLM's traceback follows
-                raise
-            except Exception as e:
-                logger.error("tensorhub: loading %r from peers failed: %s", self.settings.model, e)
-                raise
 
         def _load(self, model: Any, model_config: Any) -> None:
             s = self.settings
             st = _runtime.connect(s)
-            v = _runtime.resolve(st, s.version, on_missing=s.on_missing)
+            v = worker.resolve(st, s.version, on_missing=s.on_missing)
             if s.native:  # before any weight lands: the same on the engine that publishes and the one that reads
                 st.layout = _native.fingerprint(model, model_config, tp_size=st.tp_size, pp_size=st.pp_size,
                                                 pp_rank=st.pp_rank)
@@ -81,16 +70,16 @@ def make_loader_class() -> type:
                     self._pending_native, st.version = got, v
                     return
             if v is None:
-                tensors = _runtime.read_disk(model_config.model)
+                tensors = worker.read_disk(model_config.model)
                 self._pending_disk = tensors
-                _runtime.load_into(model, tensors, s.bucket_bytes)
+                load.load_into(model, tensors, s.bucket_bytes, st.hooks.groups)
                 return
             if not st.serving:  # nothing to keep: stream buckets through one reused buffer
-                st.version, st.specs = v, _runtime.stream_into(st, model, v, s.bucket_bytes)
+                st.version, st.specs = v, load.stream_into(st, model, v, s.bucket_bytes)
                 return
-            got = _runtime.fetch(st, v)
-            _runtime.load_into(model, got, s.bucket_bytes)
-            st.version, st.specs, st.copy = v, _runtime.specs_of(got), got
+            got = worker.fetch(st, v)
+            load.load_into(model, got, s.bucket_bytes, st.hooks.groups)
+            st.version, st.specs, st.copy = v, load.specs_of(got), got
 
         def _fetch_native(self, st: Any, v: int) -> Any:
             """This rank's shard of ``v`` in the engine's native layout, if complete; else None
@@ -100,46 +89,26 @@ def make_loader_class() -> type:
                 shard = _native.shard_of(st.rank, st.tp_size, st.pp_rank)
                 if not _native.available(st.hub, s.model, v, st.layout, shard):
                     return None
-                t0 = time.monotonic()
-                got = st.hub.fetch(s.model, v, layout=st.layout, shard=shard, serve=False, timeout=s.fetch_timeout)
+                return worker.fetch(st, v, st.layout, shard=shard)
             except Exception as e:
                 logger.warning("tensorhub: reading %s v%d in the native layout %s failed (%s); reading the hf "
                                "layout instead", s.model, v, st.layout, e)
                 return None
-            logger.info("tensorhub: fetched %s v%d (native layout %s): %.1f MB in %.2fs (%.2f GB/s) from %s",
-                        s.model, v, st.layout, got.nbytes / 1e6, time.monotonic() - t0, got.gbps, got.sources)
-            return got
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             model = super().load_model(vllm_config, model_config, prefix)
-            st = _runtime.get_state()
+            st = worker.get_state()
             if st is None:
                 return model
             if self._pending_native is not None:  # raw bytes over the processed parameters
                 got, self._pending_native = self._pending_native, None
-                n = _native.copy_into(model, got)
+                n = load.copy_into(_native.native_tensors(model), got)
                 del got
                 logger.info("tensorhub: loaded %s v%d raw from the native layout (%.1f MB, no load_weights)",
                             self.settings.model, st.version, n / 1e6)
             if self._pending_disk is not None:  # publish what we read from disk, as a new version
                 tensors, self._pending_disk = self._pending_disk, None
-                eng = _runtime.engine()
-                v: Any = None
-                if eng.root:  # one new version for the whole engine, every stage
-                    try:
-                        v = st.hub.publish(self.settings.model, tensors, layout="hf")
-                        logger.info("tensorhub: published the weight files of %s as %s v%d",
-                                    model_config.model, self.settings.model, v)
-                    except Exception as e:  # the other ranks wait in the broadcast: hand them the error
-                        v = ("error", f"tensorhub: publishing the weight files of {model_config.model} "
-                                      f"failed: {e}")
-                v = eng.broadcast(v)
-                if isinstance(v, tuple):
-                    raise RuntimeError(v[1])
-                if not eng.root and st.serving:
-                    st.hub.publish(self.settings.model, tensors, version=v, layout="hf")
-                st.version, st.specs = v, _runtime.specs_of(tensors)
-                st.copy = tensors if st.serving else None
+                worker.publish_disk(st, tensors, model_config.model)
             _native.publish(st, model)
             if self.settings.prefetch and st.prefetcher is None:
                 from ._prefetch import Prefetcher

@@ -30,12 +30,12 @@ parts; it lands in the coordinator's ``tensorhub_swap_stall_seconds`` and this p
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from ._settings import Settings, SettingsError
+from .._core import load, worker
+from .._core.settings import Settings, SettingsError
 from . import _native, _runtime
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class _Mixin:
         return Settings.from_config(base)
 
     def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
-        st = _runtime.get_state()
+        st = worker.get_state()
         s = self._settings(init_info)
         if st is not None and st.settings.model != s.model:
             raise SettingsError(f"tensorhub: setting 'model': this engine loaded {st.settings.model!r}, "
@@ -86,7 +86,7 @@ class _Mixin:
         self._state = _runtime.connect(s)
 
     def _st(self) -> "_runtime.WorkerState":
-        st = getattr(self, "_state", None) or _runtime.get_state()
+        st = getattr(self, "_state", None) or worker.get_state()
         if st is None:  # init_weight_transfer_engine not called: use the loader's / env settings
             st = _runtime.connect(self._settings(None))
         self._state = st
@@ -120,16 +120,14 @@ class _Mixin:
         got, err = None, None
         prefetched = False
         try:
-            v = _runtime.resolve(st, requested, on_missing="error", what="update_info 'version'")
+            v = worker.resolve(st, requested, on_missing="error", what="update_info 'version'")
             if v != old_v:
                 if st.prefetcher is not None:
                     got = st.prefetcher.take(v, s.fetch_timeout)
                     prefetched = got is not None
                 if got is None:
-                    with _RETIRE_LOCK:
-                        spare, st.spare = st.spare, None  # a failed fetch leaves it in no known state: dropped
-                    got = _runtime.fetch(st, v, into=spare)
-                _runtime.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
+                    got = worker.fetch(st, v, into=st.take_spare())
+                load.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
                 # The parameters are served in place: no reader may be reading them when
                 # they change. Unpublish the running version (every layout) and let it drain.
                 _native.withdraw(st)
@@ -137,14 +135,14 @@ class _Mixin:
             err = str(e).removeprefix("tensorhub: ")
         # Every rank of the engine (each TP rank of each pipeline stage) applies the new
         # version, or none does. Nothing above raises past the try: every rank gets here.
-        errors = [(where, e) for where, e in _runtime.gather(err) if e is not None]
-        if errors:
+        failed = st.engine().first_error(err)
+        if failed is not None:
             if got is not None and st.serving:
-                self._retire(st, v, got, reason="another rank failed")
+                st.retire(v, got, reason="another rank failed")
             _native.publish(st, self.model)  # type: ignore[attr-defined]  # the unchanged parameters again
             self._report_swap(st, requested, getattr(self, "_swap_t0", None) or t0, ok=False)
             self._swap_t0 = None  # vLLM ends the session: no finish_weight_update follows
-            where, why = errors[0]
+            where, why = failed
             where = f" ({where})" if where else ""
             raise RuntimeError(f"tensorhub: could not fetch {s.model!r} v{requested}{where}: {why}; "
                                f"the engine keeps serving v{old_v}")
@@ -155,13 +153,11 @@ class _Mixin:
         self._apply(got)
         t2 = time.monotonic()
         old_copy = st.copy
-        st.version, st.specs, st.copy = v, _runtime.specs_of(got), (got if st.serving else None)
+        st.version, st.specs, st.copy = v, load.specs_of(got), (got if st.serving else None)
         _native.publish(st, self.model)  # type: ignore[attr-defined]
         if not st.serving and s.reuse_buffers:  # never served: reusable at once
             st.spare = dict(got)
-        # Draining the old version's readers must not stall the engine: do it off the call.
-        threading.Thread(target=self._retire, args=(st, old_v, old_copy), name="tensorhub-retire",
-                         daemon=True).start()
+        st.retire_later(old_v, old_copy)  # draining the old version's readers must not stall the engine
         logger.info("tensorhub: worker %s swapped %s v%s -> v%d: fetch %.2fs (%.1f MB, %.2f GB/s, from %s%s), "
                     "apply %.2fs", st.hub.worker_id, s.model, old_v, v, t1 - t0, got.nbytes / 1e6, got.gbps,
                     got.sources, "; prefetched before the swap" if prefetched else "", t2 - t1)
@@ -183,34 +179,6 @@ class _Mixin:
         model.load_weights(iter(tensors.items()))
         finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
 
-    @staticmethod
-    def _retire(st: "_runtime.WorkerState", old_v: Optional[int], old_copy: Any, reason: str = "") -> None:
-        """Stop serving ``old_v`` (and copies retired earlier) and free them once their
-        readers drained; a copy whose readers did not drain stays allocated for next time.
-        Runs on a background thread after a swap (holder side: the engine's worker)."""
-        import tensorhub
-
-        if reason:
-            logger.info("tensorhub: dropping the fetched %s v%s: %s", st.settings.model, old_v, reason)
-        with _RETIRE_LOCK:
-            pending = list(st.retired)
-            if old_v is not None and old_copy is not None:
-                pending.append((old_v, old_copy))
-            st.retired = []
-            for v, copy in pending:
-                try:
-                    st.hub.unpublish(st.settings.model, v, timeout=st.settings.drain_timeout)
-                except tensorhub.NotFoundError:
-                    pass  # not held (any more)
-                except tensorhub.TensorHubError as e:
-                    logger.warning("tensorhub: keeping %s v%d allocated: %s", st.settings.model, v, e)
-                    st.retired.append((v, copy))
-                    continue
-                # Drained: nobody reads it any more. Keep one as the next swap's destination.
-                if st.settings.reuse_buffers and st.spare is None and st.specs is not None \
-                        and _runtime.specs_of(copy) == st.specs:
-                    st.spare = dict(copy)
-
     def finish_weight_update(self) -> None:
         t0, parts = getattr(self, "_swap_t0", None), getattr(self, "_swap_parts", None)
         self._swap_t0, self._swap_parts = None, None
@@ -222,9 +190,6 @@ class _Mixin:
         st = getattr(self, "_state", None)
         if st is not None and st.prefetcher is not None:
             st.prefetcher.stop()
-
-
-_RETIRE_LOCK = threading.Lock()
 
 
 def make_engine_class() -> type:

@@ -4,17 +4,17 @@ Each spawned process initialises vLLM's own parallel state on CPU (gloo; vLLM's
 ``init_distributed_environment`` + ``initialize_model_parallel``, so ``get_tp_group()`` /
 ``get_pp_group()`` are the groups a real engine's workers get), connects the adapter's
 worker state to the coordinator and runs three steps, each through the adapter's real
-code (``_runtime.resolve``, ``transfer._Mixin.receive_weights``, real fetches over
+code (``worker.resolve``, ``transfer._Mixin.receive_weights``, real fetches over
 Mooncake). What stands in:
 
 * the model: :class:`Engine` is the weight-transfer engine with ``_apply`` (vLLM's
   layerwise reload into the model) replaced by a recorder of the bytes it was handed;
   ``native`` is off (no model parameters to register);
-* the race: ``_runtime._resolve_here`` (the coordinator query) is wrapped so that a
+* the race: ``worker._resolve_here`` (the coordinator query) is wrapped so that a
   stage-0 call hands over to the test, which publishes a newer version, and a later
   stage's call waits for that publish first. Only a rank that queries the coordinator
   itself runs the wrapper: with one engine-wide decision that is the root alone;
-* the failure: ``_runtime.fetch`` raises on PP stage 1, TP rank 1 in step 2.
+* the failure: ``worker.fetch`` raises on PP stage 1, TP rank 1 in step 2.
 
 Results go to ``<tmp>/rank<r>.json``; :func:`run_engine` (the test process's side: the
 coordinator, the trainer, the publish between the stages' queries) collects them. The
@@ -141,8 +141,9 @@ def run(rank: int, tp: int, pp: int, init_file: str, url: str, tmp: str, path: l
 
 
 def steps(out: dict, url: str, tmp: Path) -> None:
+    from integrations._core import load, worker
+    from integrations._core.settings import Settings
     from integrations.vllm import _runtime, transfer
-    from integrations.vllm._settings import Settings
 
     st = _runtime.connect(Settings.from_config({
         "coordinator": url, "model": MODEL, "native": False, "worker_id": "pp-engine",
@@ -150,7 +151,7 @@ def steps(out: dict, url: str, tmp: Path) -> None:
     out["place"] = [st.pp_rank, st.rank, st.pp_size, st.tp_size]
 
     # 1. resolve "latest" while a newer version is published between the stages' queries.
-    real = _runtime._resolve_here
+    real = worker._resolve_here
 
     def racing(st_, *a):
         if st_.pp_rank > 0:  # a later stage asks only once a newer version exists
@@ -161,28 +162,28 @@ def steps(out: dict, url: str, tmp: Path) -> None:
             wait_for(tmp / "published")
         return v
 
-    _runtime._resolve_here = racing
+    worker._resolve_here = racing
     try:
-        out["resolved"] = _runtime.resolve(st, "latest")
+        out["resolved"] = worker.resolve(st, "latest")
     finally:
-        _runtime._resolve_here = real
+        worker._resolve_here = real
     out["latest_after"] = st.hub.latest(MODEL)
-    st.version, st.specs = out["resolved"], _runtime.specs_of(weights(0))  # as if the loader had loaded it
+    st.version, st.specs = out["resolved"], load.specs_of(weights(0))  # as if the loader had loaded it
 
     eng = Engine(st)
     # 2. swap to "latest" while one rank of stage 1 cannot fetch it.
-    real_fetch = _runtime.fetch
+    real_fetch = worker.fetch
     if (st.pp_rank, st.rank) == (1, 1):
-        def failing(st_, v, into=None):
+        def failing(st_, v, *args, **kwargs):
             raise RuntimeError(f"injected: pp stage 1, tp rank 1 cannot read v{v}")
-        _runtime.fetch = failing
+        worker.fetch = failing
     try:
         eng.receive_weights(transfer.TensorHubUpdateInfo(version="latest"))
         out["failed_swap"] = None
     except Exception as e:
         out["failed_swap"] = str(e)
     finally:
-        _runtime.fetch = real_fetch
+        worker.fetch = real_fetch
     out["after_failed_swap"] = {"version": st.version, "applied": len(eng.applied)}
 
     # 3. the same swap with every rank able to fetch.

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import tensorhub
+from integrations._core.load import copy_into
+from integrations._core.settings import Settings
 from integrations.vllm import _native, _runtime
-from integrations.vllm._settings import Settings
 from tensorhub.testing import InMemoryTransport, digest
 
 
@@ -65,13 +66,13 @@ def test_copy_into_checks_everything_before_writing():
     bad = dict(_native.native_tensors(src))
     bad["2.weight"] = bad["2.weight"][:50]
     with pytest.raises(ValueError, match=r"'2.weight' is torch.float32\(50, 64\)"):
-        _native.copy_into(dst, bad)
+        copy_into(_native.native_tensors(dst), bad)
     missing = dict(_native.native_tensors(src))
     del missing["0.weight"]
     with pytest.raises(ValueError, match="has no tensor '0.weight'"):
-        _native.copy_into(dst, missing)
+        copy_into(_native.native_tensors(dst), missing)
     assert digest(_native.native_tensors(dst)) == before  # nothing written
-    n = _native.copy_into(dst, {k: v.clone() for k, v in _native.native_tensors(src).items()})
+    n = copy_into(_native.native_tensors(dst), {k: v.clone() for k, v in _native.native_tensors(src).items()})
     assert digest(_native.native_tensors(dst)) == digest(_native.native_tensors(src))
     assert n == sum(t.numel() * 4 for t in _native.native_tensors(src).values())
 

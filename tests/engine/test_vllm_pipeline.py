@@ -73,11 +73,20 @@ def test_then_every_stage_swaps_to_the_same_bytes(engine):
 
 
 def test_a_lone_process_is_its_own_engine():
-    from integrations._ranks import EngineRanks, label
+    from integrations._core.ranks import EngineRanks, label
 
     alone = EngineRanks()
     assert alone.root and alone.size == 1 and alone.where() == ""
     assert alone.broadcast("x") == "x" and alone.gather("e") == [("", "e")]
+    assert (alone.rank_on("tp"), alone.size_on("tp"), alone.rank_on("pp"), alone.size_on("pp")) == (0, 1, 0, 1)
+    assert alone.first_error(None) is None and alone.first_error("bad") == ("", "bad")
+    assert alone.decide(lambda: 7, RuntimeError) == 7
+
+    def fails():
+        raise ValueError("tensorhub: no")
+
+    with pytest.raises(KeyError, match="tensorhub: no"):  # the root's error, as the caller's type
+        alone.decide(fails, KeyError)
     assert label((("pp", 1), ("tp", 0))) == "pp stage 1, tp rank 0"
     assert label((("tp", 3),)) == "tp rank 3"
 

@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from integrations.vllm._settings import Settings, SettingsError
+from integrations._core.settings import Settings, SettingsError
 
 
 def test_importing_the_plugin_imports_no_vllm():
@@ -58,14 +58,15 @@ def test_no_coordinator_anywhere(monkeypatch):
 
 def test_buckets_are_bounded_and_cover_every_tensor_once():
     torch = pytest.importorskip("torch")
-    from integrations.vllm._runtime import buckets
+    from integrations._core.load import buckets
+    from integrations.vllm._runtime import layer_groups
 
     names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.{p}.weight" for i in range(4)
                                              for p in ("q", "k", "mlp")] + ["model.norm.weight", "lm_head.weight"]
     tensors = {n: torch.zeros(256) for n in names}  # 1 KiB each
-    out = list(buckets(tensors, 3 * 1024))
+    out = list(buckets(tensors, 3 * 1024, layer_groups))
     flat = [n for b in out for n, _ in b]
     assert sorted(flat) == sorted(names) and len(flat) == len(set(flat))
     assert all(sum(t.numel() * 4 for _, t in b) <= 3 * 1024 for b in out)
-    big = list(buckets({"a": torch.zeros(4096)}, 1024))  # one tensor over the limit: its own bucket
+    big = list(buckets({"a": torch.zeros(4096)}, 1024, layer_groups))  # one tensor over the limit: its own bucket
     assert [[n for n, _ in b] for b in big] == [["a"]]

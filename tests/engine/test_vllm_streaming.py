@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import tensorhub
+from integrations._core import load, worker
+from integrations._core.settings import Settings
 from integrations.vllm import _runtime
-from integrations.vllm._settings import Settings
 from tensorhub.testing import InMemoryTransport, digest
 
 
@@ -66,12 +67,12 @@ def test_stream_into_feeds_every_tensor_once_through_one_bounded_buffer(hubs, ca
     s = Settings.from_config({"coordinator": url, "model": "policy", "bucket_bytes": limit})
     st = _runtime.WorkerState(s, make("rank1"), rank=1, tp_size=2, serving=False)
     model = Recorder()
-    with caplog.at_level("INFO", logger="integrations.vllm._runtime"):
-        specs = _runtime.stream_into(st, model, v, limit)
+    with caplog.at_level("INFO", logger="integrations._core.load"):
+        specs = load.stream_into(st, model, v, limit)
     assert model.seen == digest(w)  # every tensor, right bytes
     assert sum(len(c) for c in model.calls) == len(w)  # each exactly once
     assert len(model.calls) > 3
-    assert specs == _runtime.specs_of(w)
+    assert specs == load.specs_of(w)
     biggest = max(t.numel() * t.element_size() for t in w.values())
     addrs = [p for call in model.calls for _, p in call]
     assert max(addrs) - min(addrs) < limit + biggest + 4096  # one reused buffer, not the model
@@ -88,42 +89,40 @@ def test_stream_into_a_missing_version_is_a_clear_error(hubs):
     s = Settings.from_config({"coordinator": url, "model": "policy"})
     st = _runtime.WorkerState(s, make("rank1"), rank=1, tp_size=2, serving=False)
     with pytest.raises(tensorhub.NotFoundError, match="no version 7"):
-        _runtime.stream_into(st, Recorder(), 7, 1 << 20)
+        load.stream_into(st, Recorder(), 7, 1 << 20)
 
 
 def test_a_drained_copy_becomes_the_next_swaps_destination(hubs):
     """reuse_buffers: once readers of the old version drained, its copy is kept (same
     tensors) and the next fetch lands in it: no new memory, the new bytes."""
-    from integrations.vllm.transfer import _Mixin
-
     url, make = hubs
     trainer = make("trainer")
     w1, w2 = _llama_like(1), _llama_like(2)
     v1 = trainer.publish("policy", w1)
     s = Settings.from_config({"coordinator": url, "model": "policy", "drain_timeout": 5})
     st = _runtime.WorkerState(s, make("engine"), rank=0, tp_size=1, serving=True)
-    got1 = _runtime.fetch(st, v1)
-    st.version, st.specs, st.copy = v1, _runtime.specs_of(got1), got1
+    got1 = worker.fetch(st, v1)
+    st.version, st.specs, st.copy = v1, load.specs_of(got1), got1
     v2 = trainer.publish("policy", w2)
-    _Mixin._retire(st, v1, got1)  # the swap's background step, after v2 was applied
+    st.retire(v1, got1)  # the swap's background step, after v2 was applied
     assert st.spare is not None and all(st.spare[k].data_ptr() == got1[k].data_ptr() for k in w1)
     assert ("policy", v1, "hf", 0) not in st.hub.held()
-    got2 = _runtime.fetch(st, v2, into=st.spare)
+    got2 = worker.fetch(st, v2, into=st.spare)
     assert all(got2[k].data_ptr() == got1[k].data_ptr() for k in w2)  # the same memory
     assert digest(dict(got2)) == digest(w2)
     assert ("policy", v2, "hf", 0) in st.hub.held()  # and served from there
     # a copy whose tensors differ from the running version's is not kept
     st.spare, st.specs = None, {"other": ((1,), torch.float32)}
     v3 = trainer.publish("policy", _llama_like(3))
-    _Mixin._retire(st, v2, got2)
+    st.retire(v2, got2)
     assert st.spare is None
     # reuse_buffers=false never keeps one
     st2 = _runtime.WorkerState(Settings.from_config({"coordinator": url, "model": "policy", "reuse_buffers": False}),
                                make("engine2"), serving=True)
-    got3 = _runtime.fetch(st2, v3)
-    st2.version, st2.specs = v3, _runtime.specs_of(got3)
+    got3 = worker.fetch(st2, v3)
+    st2.version, st2.specs = v3, load.specs_of(got3)
     trainer.publish("policy", _llama_like(4))
-    _Mixin._retire(st2, v3, got3)
+    st2.retire(v3, got3)
     assert st2.spare is None
 
 
@@ -149,8 +148,8 @@ def test_prefetch_fetches_new_versions_while_the_engine_runs_the_old_one(hubs):
     v1 = trainer.publish("policy", w[1])
     s = Settings.from_config({"coordinator": url, "model": "policy", "prefetch": True, "drain_timeout": 5})
     st = _runtime.WorkerState(s, make("engine"), serving=True)
-    got1 = _runtime.fetch(st, v1)
-    st.version, st.specs, st.copy = v1, _runtime.specs_of(got1), got1
+    got1 = worker.fetch(st, v1)
+    st.version, st.specs, st.copy = v1, load.specs_of(got1), got1
     pf = Prefetcher(st, poll=1.0).start()
     try:
         v2 = trainer.publish("policy", w[2])

@@ -5,10 +5,10 @@ uses). Each spawned process initialises SGLang's own parallel state on CPU (gloo
 ``init_distributed_environment`` + ``initialize_model_parallel`` with the TP/PP widths
 set through ``get_parallel().override_permanently``, as SGLang's launcher publishes
 them), connects the adapter's worker state and runs three steps through the adapter's
-real code (``_runtime.resolve``, ``pull.swap``, real fetches over Mooncake). What stands
+real code (``worker.resolve``, ``pull.swap``, real fetches over Mooncake). What stands
 in: the model (:class:`Model`, whose ``load_weights`` records the bytes it is fed;
-``native`` off), the race (``_runtime._resolve_here`` wrapped as in ``_pp_ranks``) and
-the failure (``_runtime.fetch`` raises on PP stage 1, TP rank 1 in step 2).
+``native`` off), the race (``worker._resolve_here`` wrapped as in ``_pp_ranks``) and
+the failure (``worker.fetch`` raises on PP stage 1, TP rank 1 in step 2).
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ def run(rank: int, tp: int, pp: int, init_file: str, url: str, tmp: str, path: l
 def steps(out: dict, url: str, tmp: Path) -> None:
     from _pp_ranks import MODEL, wait_for, weights
 
+    from integrations._core import load, worker
+    from integrations._core.settings import Settings
     from integrations.sglang import _runtime, pull
-    from integrations.sglang._settings import Settings
 
     st = _runtime.connect(Settings.from_config({
         "coordinator": url, "model": MODEL, "native": False, "worker_id": "pp-sglang",
@@ -74,7 +75,7 @@ def steps(out: dict, url: str, tmp: Path) -> None:
     out["place"] = [st.pp_rank, st.rank, st.pp_size, st.tp_size]
 
     # 1. resolve "latest" while a newer version is published between the stages' queries.
-    real = _runtime._resolve_here
+    real = worker._resolve_here
 
     def racing(st_, *a):
         if st_.pp_rank > 0:
@@ -85,28 +86,28 @@ def steps(out: dict, url: str, tmp: Path) -> None:
             wait_for(tmp / "published")
         return v
 
-    _runtime._resolve_here = racing
+    worker._resolve_here = racing
     try:
-        out["resolved"] = _runtime.resolve(st, "latest")
+        out["resolved"] = worker.resolve(st, "latest")
     finally:
-        _runtime._resolve_here = real
+        worker._resolve_here = real
     out["latest_after"] = st.hub.latest(MODEL)
-    st.version, st.specs = out["resolved"], _runtime.specs_of(weights(0))  # as if the loader had loaded it
+    st.version, st.specs = out["resolved"], load.specs_of(weights(0))  # as if the loader had loaded it
 
     model = Model()
     # 2. swap to "latest" while one rank of stage 1 cannot fetch it.
-    real_fetch = _runtime.fetch
+    real_fetch = worker.fetch
     if (st.pp_rank, st.rank) == (1, 1):
-        def failing(st_, v, layout="hf"):
+        def failing(st_, v, *args, **kwargs):
             raise RuntimeError(f"injected: pp stage 1, tp rank 1 cannot read v{v}")
-        _runtime.fetch = failing
+        worker.fetch = failing
     try:
         pull.swap(st, model, "latest")
         out["failed_swap"] = None
     except Exception as e:
         out["failed_swap"] = str(e)
     finally:
-        _runtime.fetch = real_fetch
+        worker.fetch = real_fetch
     out["after_failed_swap"] = {"version": st.version, "load_calls": model.calls}
 
     # 3. the same swap with every rank able to fetch.

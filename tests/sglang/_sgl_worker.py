@@ -106,9 +106,9 @@ def run(op: str, cmd: dict, mc, model):
     if op == "specs":
         return {n: [p.numel(), p.element_size()] for n, p in model.named_parameters()}
     if op == "held":
-        from integrations.sglang import _runtime
+        from integrations._core import worker
 
-        st = _runtime.get_state()
+        st = worker.get_state()
         return {"held": [list(h) for h in st.hub.held()], "version": st.version, "layout": st.layout,
                 "copy": st.copy is not None} if st else None
     if op == "update":
@@ -163,9 +163,9 @@ def serve_http(mc, model) -> int:
     from fastapi.responses import JSONResponse
     from sglang.srt.managers import io_struct as io
 
-    from integrations.sglang import _runtime
+    from integrations._core import worker
 
-    st = _runtime.get_state()
+    st = worker.get_state()
     _HTTP["version"] = None if st is None or st.version is None else str(st.version)
     globals()["Request"] = Request  # FastAPI resolves the (postponed) annotations in module globals
     app = FastAPI()

@@ -12,8 +12,7 @@ from dataclasses import fields
 import httpx
 import pytest
 
-from integrations.sglang._settings import Settings, SettingsError
-from integrations.vllm._settings import Settings as VllmSettings
+from integrations._core.settings import Settings, SettingsError
 
 
 def test_importing_the_adapter_imports_no_sglang():
@@ -25,14 +24,16 @@ def test_importing_the_adapter_imports_no_sglang():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_settings_are_the_vllm_adapters_plus_native():
-    assert {f.name for f in fields(Settings)} == {f.name for f in fields(VllmSettings)} | {"native"}
-    s = Settings.from_config({"coordinator": "http://h:1", "model": "policy"})
+def test_settings_are_the_shared_ones_native_included():
+    assert "native" in {f.name for f in fields(Settings)}
+    s = Settings.from_extra('{"coordinator": "http://h:1", "model": "policy"}')  # SGLang passes the JSON text
     assert (s.version, s.on_missing, s.serve_ranks, s.native) == ("latest", "error", "first", True)
     with pytest.raises(SettingsError, match="setting 'native': must be true or false"):
         Settings.from_config({"coordinator": "http://h:1", "model": "policy", "native": "yes"})
     with pytest.raises(SettingsError, match="setting 'on_missing'"):
         Settings.from_config({"coordinator": "http://h:1", "model": "policy", "on_missing": "maybe"})
+    with pytest.raises(SettingsError, match="must be a JSON object"):
+        Settings.from_extra("[1]")
 
 
 def test_payload_names_the_version_and_nothing_else():
@@ -53,11 +54,12 @@ def test_payload_names_the_version_and_nothing_else():
 
 def test_buckets_cut_between_layers_and_at_the_limit():
     torch = pytest.importorskip("torch")
-    from integrations.sglang._runtime import buckets
+    from integrations._core.load import buckets
+    from integrations.sglang._runtime import layer_groups
 
     t = {f"model.layers.{i}.{p}": torch.zeros(256) for i in range(3) for p in ("a", "b")}  # 1 KiB each
     t["lm_head.weight"] = torch.zeros(4096)  # 16 KiB: alone past the limit
-    got = [[n for n, _ in b] for b in buckets(t, 2048)]
+    got = [[n for n, _ in b] for b in buckets(t, 2048, layer_groups)]
     assert got == [["model.layers.0.a", "model.layers.0.b"], ["model.layers.1.a", "model.layers.1.b"],
                    ["model.layers.2.a", "model.layers.2.b"], ["lm_head.weight"]]
     assert sum(len(b) for b in got) == len(t)

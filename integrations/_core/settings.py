@@ -1,4 +1,9 @@
-"""Settings of the vLLM adapter, from ``--model-loader-extra-config`` JSON.
+"""Settings of an engine adapter, from ``--model-loader-extra-config`` JSON.
+
+One class for both engines (vLLM and SGLang take the same keys, defaults and errors, so a
+user switching engines relearns nothing); ``reuse_buffers`` and ``prefetch`` act in the
+vLLM adapter only (SGLang accepts them, to no effect). The default worker id is
+``<engine>-<host>-<pid>`` (``vllm-...``, ``sglang-...``).
 
 Precedence, as everywhere in TensorHub: a key in the JSON > the environment variable
 (``TENSORHUB_COORDINATOR``, ``TENSORHUB_TOKEN``, ``TENSORHUB_WORKER_ID``,
@@ -22,7 +27,7 @@ ON_MISSING = ("disk", "wait", "error")
 
 
 class SettingsError(ConfigError):
-    """A setting of the vLLM adapter is wrong or unusable; the message names it."""
+    """A setting of an engine adapter is wrong or unusable; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class Settings:
     on_missing: str = "error"
     #: API token; default ``TENSORHUB_TOKEN``. Never logged.
     token: Optional[str] = None
-    #: Worker id prefix; default ``TENSORHUB_WORKER_ID`` or ``vllm-<host>-<pid>``. With TP/PP > 1
+    #: Worker id prefix; default ``TENSORHUB_WORKER_ID`` or ``<engine>-<host>-<pid>``. With TP/PP > 1
     #: each rank appends ``-tp<r>`` / ``-pp<r>``.
     worker_id: Optional[str] = None
     #: Locality labels ``dc=..,zone=..,host=..``; default ``TENSORHUB_LOCALITY``.
@@ -66,12 +71,24 @@ class Settings:
     native: bool = True
     #: Keep the previous version's ``hf`` copy, once its readers drained, as the next swap's
     #: fetch destination: memory already paged in fetches several times faster than new
-    #: memory, at the cost of that copy staying allocated between swaps.
+    #: memory, at the cost of that copy staying allocated between swaps (vLLM).
     reuse_buffers: bool = True
     #: Fetch each new version in the background as soon as it is complete, while the engine
     #: still generates; a later swap to it then only applies it (one more model-size copy
-    #: until the swap).
+    #: until the swap; vLLM).
     prefetch: bool = False
+
+    @classmethod
+    def from_extra(cls, extra: Any) -> "Settings":
+        """From the engine's ``model_loader_extra_config``: a mapping (vLLM parses the JSON)
+        or the JSON text itself (SGLang passes it on as given)."""
+        if isinstance(extra, str):
+            import json
+
+            extra = json.loads(extra or "{}")
+        if not isinstance(extra, dict):
+            raise SettingsError("tensorhub: --model-loader-extra-config must be a JSON object")
+        return cls.from_config(extra)
 
     @classmethod
     def from_config(cls, extra: Optional[Mapping[str, Any]], *, require_model: bool = True) -> "Settings":

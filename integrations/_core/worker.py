@@ -1,0 +1,262 @@
+"""What one engine worker process holds, and how it gets there: connect, resolve, fetch.
+
+Runs in every engine worker process (one per TP/PP rank: a vLLM worker, an SGLang
+scheduler). The adapter's model loader creates the state at start (:func:`connect`); its
+hot-swap path (vLLM's weight-transfer engine, SGLang's pull function: same process)
+reuses it. The engine is known here only through its :class:`EngineHooks`: its name, its
+ranks (:class:`~integrations._core.ranks.EngineRanks`) and how its checkpoint names group
+into layers.
+
+Replicas per rank, for the version the engine runs: the ``hf`` copy (checkpoint names and
+dtypes, the size of the checkpoint) that the serving rank(s) fetched (``serve_ranks``),
+registered with the coordinator for trainers, other engines and other TP sizes; and, where
+the engine allows it (``native``), the rank's parameters in place as the engine-native
+layout (the adapters' ``_native``). Memory: one extra model-size of host memory per serving
+rank, plus a second one during a hot-swap until readers of the old version drained.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from .ranks import EngineRanks
+from .settings import Settings, SettingsError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineHooks", "WorkerState", "connect", "get_state", "open_hub", "resolve", "version_status",
+           "fetch", "read_disk", "publish_disk"]
+
+
+def one_group(names: list) -> list:
+    """Layer groups for an engine that has none: every name in one group."""
+    return [list(names)]
+
+
+@dataclass(frozen=True)
+class EngineHooks:
+    """What the engine-neutral core asks of an engine; each adapter makes one."""
+
+    #: ``"vllm"``, ``"sglang"``: the default worker id's prefix.
+    name: str
+    #: This worker's engine, every axis (pipeline stages x TP ranks ...); a lone process
+    #: (``EngineRanks()``) outside the engine. Asked at each use, never cached.
+    ranks: Callable[[], EngineRanks] = EngineRanks
+    #: Checkpoint names -> lists of names, one per layer, in load order (buckets close at
+    #: these boundaries once half full).
+    groups: Callable[[list], list] = one_group
+
+
+#: Hooks of a process outside any engine (unit use): one rank, one layer group.
+LONE = EngineHooks("engine")
+
+
+@dataclass
+class WorkerState:
+    """Per worker process; see the module docstring. The ``rank`` is the TP rank."""
+
+    settings: Settings
+    hub: Any
+    rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    serving: bool = True  # this rank keeps and serves the hf copy it fetched
+    version: Optional[int] = None  # the version the engine's parameters hold
+    copy: Optional[Mapping[str, Any]] = None  # the hf copy of ``version`` (registered if serving)
+    specs: Optional[dict] = None  # name -> (shape, dtype) of the hf tensors the engine runs
+    layout: Optional[str] = None  # the engine-native layout's name (the adapter's fingerprint)
+    native: bool = False  # the parameters are registered in place as ``version`` in ``layout``
+    hooks: EngineHooks = LONE
+
+    def engine(self) -> EngineRanks:
+        """This worker's engine, every rank of every stage (collectives go over it)."""
+        return self.hooks.ranks()
+
+
+_LOCK = threading.Lock()
+_STATE: Optional[WorkerState] = None
+
+
+def get_state() -> Optional[WorkerState]:
+    """The process's state, once :func:`connect` made it (one engine per process)."""
+    return _STATE
+
+
+def connect(settings: Settings, hooks: EngineHooks, state: type = WorkerState) -> WorkerState:
+    """The process's state, connecting its Hub on first use (same settings expected);
+    ``state``: the class to make, :class:`WorkerState` or an adapter's subclass."""
+    global _STATE
+    with _LOCK:
+        if _STATE is not None:
+            return _STATE
+        eng = hooks.ranks()
+        tp_rank, tp_size, pp_rank = eng.rank_on("tp"), eng.size_on("tp"), eng.rank_on("pp")
+        hub = open_hub(settings, hooks.name, tp_rank, tp_size, pp_rank)
+        serving = settings.serve_ranks == "all" or tp_rank == 0
+        _STATE = state(settings, hub, rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=eng.size_on("pp"),
+                       serving=serving, hooks=hooks)
+        logger.info("tensorhub: worker %s connected to %s (tp rank %d/%d, serving hf copy: %s)",
+                    hub.worker_id, settings.coordinator, tp_rank, tp_size, serving)
+        return _STATE
+
+
+# ---------------------------------------------------------------- connect
+def _probe(settings: Settings) -> None:
+    """Fail fast, naming the setting, when the coordinator does not answer."""
+    import httpx
+
+    url = settings.coordinator.rstrip("/")
+    deadline = time.monotonic() + settings.connect_timeout
+    last: Exception | str = ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/healthz", timeout=min(5.0, settings.connect_timeout))
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.5)
+    raise SettingsError(f"tensorhub: setting 'coordinator': {url} did not answer within "
+                        f"{settings.connect_timeout:g}s ({last})")
+
+
+def open_hub(settings: Settings, engine: str, tp_rank: int, tp_size: int, pp_rank: int) -> Any:
+    """Probe the coordinator and connect this rank's Hub (worker id ``<base>[-tp<r>][-pp<r>]``,
+    base from the settings, ``TENSORHUB_WORKER_ID`` or ``<engine>-<host>-<pid>``); a refused
+    token becomes the one-line settings error."""
+    import tensorhub
+
+    _probe(settings)
+    base = settings.worker_id or os.environ.get("TENSORHUB_WORKER_ID") or \
+        f"{engine}-{socket.gethostname()}-{os.getpid()}"
+    wid = base + (f"-tp{tp_rank}" if tp_size > 1 else "") + (f"-pp{pp_rank}" if pp_rank else "")
+    try:
+        return tensorhub.connect(settings.coordinator, worker_id=wid, locality=settings.locality,
+                                 token=settings.token, fetch_timeout=settings.fetch_timeout)
+    except tensorhub.UnauthorizedError as e:
+        raise SettingsError(f"tensorhub: setting 'token': the coordinator at {settings.coordinator} "
+                            f"refused it ({e.message})") from None
+
+
+def version_status(hub: Any, model: str, version: int) -> Optional[dict]:
+    """The coordinator's status entry of ``model`` ``version`` (``complete``, ``layouts``,
+    ``replicas``); None when it knows no such version."""
+    for m in hub.api.status()["models"]:
+        if m["model"] == model:
+            return next((v for v in m["versions"] if v["version"] == version), None)
+    return None
+
+
+# ---------------------------------------------------------------- resolve
+def resolve(st: WorkerState, requested: Any, *, on_missing: str = "error",
+            what: str = "setting 'version'") -> Optional[int]:
+    """The version every rank of the engine loads, every TP rank of every pipeline stage;
+    None means "no version, load from disk".
+
+    The engine's root (PP stage 0, TP rank 0) decides, the others receive its answer (or
+    its one-line error): a version published meanwhile cannot split the stages."""
+    return st.engine().decide(lambda: _resolve_here(st, requested, on_missing, what), SettingsError)
+
+
+def _resolve_here(st: WorkerState, requested: Any, on_missing: str, what: str) -> Optional[int]:
+    import tensorhub
+
+    s, hub = st.settings, st.hub
+    if requested != "latest":
+        st_all = hub.api.status()
+        m = next((m for m in st_all["models"] if m["model"] == s.model), None)
+        if m is None:
+            raise SettingsError(f"tensorhub: setting 'model': unknown model {s.model!r} on {s.coordinator}")
+        vi = next((v for v in m["versions"] if v["version"] == requested), None)
+        if vi is None or not vi["complete"]:
+            have = [v["version"] for v in m["versions"] if v["complete"]]
+            raise SettingsError(f"tensorhub: {what}: {s.model!r} has no complete version {requested} "
+                                f"(complete: {have or 'none'})")
+        return int(requested)
+    try:
+        return hub.latest(s.model) or _missing(st, on_missing, f"model {s.model!r} has no complete version yet")
+    except tensorhub.NotFoundError as e:
+        return _missing(st, on_missing, f"{e.message} on {s.coordinator}")
+
+
+def _missing(st: WorkerState, on_missing: str, why: str) -> Optional[int]:
+    s = st.settings
+    if on_missing == "disk":
+        logger.info("tensorhub: %s; loading the weight files from disk (on_missing='disk')", why)
+        return None
+    if on_missing == "wait":
+        logger.info("tensorhub: %s; waiting up to %gs for one (on_missing='wait')", why, s.wait_timeout)
+        try:
+            return st.hub.wait_for_version(s.model, timeout=s.wait_timeout)
+        except Exception as e:
+            raise SettingsError(f"tensorhub: setting 'on_missing'='wait': {e}") from None
+    raise SettingsError(f"tensorhub: setting 'model': {why} (on_missing='error'; use \"disk\" to load "
+                        "the weight files and publish them, or \"wait\")")
+
+
+# ---------------------------------------------------------------- fetch
+def fetch(st: WorkerState, version: int, layout: str = "hf", *, shard: int = 0,
+          into: Optional[Mapping[str, Any]] = None) -> Any:
+    """Fetch ``version`` into ``into`` (a spare copy: memory already touched, so no page
+    faults) or new memory. ``hf`` is registered when this rank serves; a native ``layout``'s
+    ``shard`` never is (the parameters are, once it is copied over them)."""
+    s = st.settings
+    t0 = time.monotonic()
+    native = layout != "hf"
+    got = st.hub.fetch(s.model, version, layout=layout, shard=shard if native else 0,
+                       serve=st.serving and not native, timeout=s.fetch_timeout, into=into)
+    logger.info("tensorhub: fetched %s v%d (%s): %.1f MB in %.2fs (%.2f GB/s) from %s%s%s",
+                s.model, version, layout, got.nbytes / 1e6,
+                time.monotonic() - t0, got.gbps, got.sources,
+                f"; failed sources {got.failed_sources}" if got.failed_sources else "",
+                "; into the kept copy of an older version" if into is not None else "")
+    return got
+
+
+# ---------------------------------------------------------------- on_missing="disk"
+def read_disk(model_dir: str) -> dict:
+    """``on_missing="disk"``: every ``*.safetensors`` tensor in ``model_dir``, contiguous."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise SettingsError(f"tensorhub: setting 'on_missing'='disk': no *.safetensors in {model_dir}")
+    out: dict = {}
+    for f in files:
+        out.update(load_file(f))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def publish_disk(st: WorkerState, tensors: Mapping[str, Any], model_dir: str) -> int:
+    """After a disk load: publish the weight files once, as a new version for the whole
+    engine (its root publishes, every rank of every stage learns the number), and keep them
+    as the ``hf`` copy where this rank serves. Returns the version."""
+    from .load import specs_of
+
+    s = st.settings
+
+    def publish() -> int:
+        try:
+            v = st.hub.publish(s.model, tensors, layout="hf")
+        except Exception as e:
+            raise RuntimeError(f"tensorhub: publishing the weight files of {model_dir} failed: {e}") from None
+        logger.info("tensorhub: published the weight files of %s as %s v%d", model_dir, s.model, v)
+        return v
+
+    eng = st.engine()
+    v = eng.decide(publish, RuntimeError)
+    if not eng.root and st.serving:
+        st.hub.publish(s.model, tensors, version=v, layout="hf")
+    st.version, st.specs = v, specs_of(tensors)
+    st.copy = tensors if st.serving else None
+    return v

@@ -1,0 +1,214 @@
+"""The coordinator's soft registry: live workers, the replicas they hold, read leases,
+and the tombstones of dropped workers' leased replicas.
+
+Soft: it lives only in memory and is rebuilt by the clients' re-registration after a
+restart. Every lookup the decisions make is by an index (shard key, worker, replica),
+so the work of one request does not grow with the fleet or with history: a lease
+decision touches the replicas and leases of its own shard only.
+
+This module keeps the indexes right and decides nothing; ``_state`` decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, NamedTuple, Optional
+
+from ._wire import Locality
+
+__all__ = ["ShardKey", "Worker", "Replica", "Lease", "Registry"]
+
+
+class ShardKey(NamedTuple):
+    """What a replica holds and a lease reads: one shard of one layout of one version."""
+
+    model: str
+    version: int
+    layout: str
+    shard: int
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    endpoint: str
+    locality: Locality
+    last_seen: float
+    registered_at: float
+    #: Since this coordinator started: leases naming its replicas, bytes readers reported
+    #: reading from it (answered on each heartbeat: the holder cannot see one-sided reads).
+    served_leases: int = 0
+    served_bytes: int = 0
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    worker_id: str
+    model: str
+    version: int
+    layout: str
+    shard: int
+    addresses: list[int]
+    registered_at: float
+    draining: bool = False
+    suspect_until: float = 0.0
+    served: int = 0  # leases granted on it
+    #: Its worker was dropped while leases named it (``_state`` invariant 8): fenced, never offered.
+    tombstone: bool = False
+    #: Pipelined replication: chunks reported complete while still receiving; None = complete.
+    chunks: Optional[set[int]] = None
+    num_chunks: int = 0
+    coming: set[int] = field(default_factory=set)  # chunks it is receiving (a hint)
+
+    @property
+    def key(self) -> ShardKey:
+        return ShardKey(self.model, self.version, self.layout, self.shard)
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    worker_id: str
+    model: str
+    version: int
+    layout: str
+    shard: int
+    replica_ids: tuple[str, ...]
+    granted_at: float
+    expires: float
+    #: Pipelined leases: where the reader's chunk order starts and its direction, and the
+    #: chunks reserved for it to read from a complete replica (``_planner.reserve_chunks``).
+    start: float = 0.0
+    reverse: bool = False
+    reserved: frozenset = frozenset()
+
+    @property
+    def key(self) -> ShardKey:
+        return ShardKey(self.model, self.version, self.layout, self.shard)
+
+
+# An index maps a key to the ids under it, as a dict used as an ordered set: lookups
+# answer in registration order, as a scan of the whole table would (the planner breaks
+# ties by input order).
+def _add(index: dict, key, item) -> None:
+    index.setdefault(key, {})[item] = None
+
+
+def _discard(index: dict, key, item) -> None:
+    s = index.get(key)
+    if s is not None:
+        s.pop(item, None)
+        if not s:
+            del index[key]
+
+
+class Registry:
+    """Workers, replicas, leases and tombstones, with their indexes.
+
+    The dicts (``workers``, ``replicas``, ``leases``, ``tombstones``) are read freely;
+    they are changed only through the methods here, which keep the indexes."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, Worker] = {}
+        self.replicas: dict[str, Replica] = {}
+        self.leases: dict[str, Lease] = {}
+        #: Replicas of dropped workers that leases still name, by replica id.
+        self.tombstones: dict[str, Replica] = {}
+        self._replicas_of_shard: dict[ShardKey, dict[str, None]] = {}
+        self._replicas_of_worker: dict[str, dict[str, None]] = {}
+        self._replicas_of_version: dict[tuple[str, int], dict[str, None]] = {}
+        self._tombstones_of_shard: dict[ShardKey, dict[str, None]] = {}
+        self._tombstones_of_worker: dict[str, dict[str, None]] = {}
+        self._leases_of_shard: dict[ShardKey, dict[str, None]] = {}
+        self._leases_of_worker: dict[str, dict[str, None]] = {}
+        self._leases_naming: dict[str, dict[str, None]] = {}  # replica id -> ids of leases naming it
+
+    # ----------------------------------------------------------------- replicas
+    def add_replica(self, r: Replica) -> None:
+        self.replicas[r.replica_id] = r
+        _add(self._replicas_of_shard, r.key, r.replica_id)
+        _add(self._replicas_of_worker, r.worker_id, r.replica_id)
+        _add(self._replicas_of_version, (r.model, r.version), r.replica_id)
+
+    def drop_replica(self, rid: str) -> Replica:
+        r = self.replicas.pop(rid)
+        _discard(self._replicas_of_shard, r.key, rid)
+        _discard(self._replicas_of_worker, r.worker_id, rid)
+        _discard(self._replicas_of_version, (r.model, r.version), rid)
+        return r
+
+    def replicas_of_shard(self, key: ShardKey) -> list[Replica]:
+        return [self.replicas[rid] for rid in self._replicas_of_shard.get(key, ())]
+
+    def replicas_of_worker(self, worker_id: str) -> list[Replica]:
+        return [self.replicas[rid] for rid in self._replicas_of_worker.get(worker_id, ())]
+
+    def replicas_of_version(self, model: str, version: int) -> list[Replica]:
+        return [self.replicas[rid] for rid in self._replicas_of_version.get((model, version), ())]
+
+    # ----------------------------------------------------------------- tombstones
+    def bury(self, r: Replica) -> None:
+        """Keep a dropped worker's replica as a tombstone (fenced, never offered)."""
+        r.draining = r.tombstone = True
+        self.tombstones[r.replica_id] = r
+        _add(self._tombstones_of_shard, r.key, r.replica_id)
+        _add(self._tombstones_of_worker, r.worker_id, r.replica_id)
+
+    def drop_tombstone(self, rid: str) -> None:
+        r = self.tombstones.pop(rid)
+        _discard(self._tombstones_of_shard, r.key, rid)
+        _discard(self._tombstones_of_worker, r.worker_id, rid)
+
+    def tombstones_of_shard(self, key: ShardKey) -> list[Replica]:
+        return [self.tombstones[rid] for rid in self._tombstones_of_shard.get(key, ())]
+
+    def tombstones_of_worker(self, worker_id: str) -> list[Replica]:
+        return [self.tombstones[rid] for rid in self._tombstones_of_worker.get(worker_id, ())]
+
+    # ----------------------------------------------------------------- leases
+    def add_lease(self, l: Lease) -> None:
+        self.leases[l.lease_id] = l
+        _add(self._leases_of_shard, l.key, l.lease_id)
+        _add(self._leases_of_worker, l.worker_id, l.lease_id)
+        for rid in l.replica_ids:
+            _add(self._leases_naming, rid, l.lease_id)
+
+    def name_replicas(self, l: Lease, ids: Iterable[str]) -> None:
+        """A refreshed lease also names ``ids`` (it keeps naming the earlier ones)."""
+        l.replica_ids = tuple(dict.fromkeys(l.replica_ids + tuple(ids)))
+        for rid in l.replica_ids:
+            _add(self._leases_naming, rid, l.lease_id)
+
+    def drop_lease(self, lid: str) -> Optional[Lease]:
+        l = self.leases.pop(lid, None)
+        if l is None:
+            return None
+        _discard(self._leases_of_shard, l.key, lid)
+        _discard(self._leases_of_worker, l.worker_id, lid)
+        for rid in l.replica_ids:
+            _discard(self._leases_naming, rid, lid)
+        return l
+
+    def leases_of_shard(self, key: ShardKey) -> list[Lease]:
+        return [self.leases[lid] for lid in self._leases_of_shard.get(key, ())]
+
+    def leases_of_worker(self, worker_id: str) -> list[Lease]:
+        return [self.leases[lid] for lid in self._leases_of_worker.get(worker_id, ())]
+
+    def leases_naming(self, rids: Iterable[str]) -> Iterator[Lease]:
+        """The leases naming any of ``rids`` (each once)."""
+        seen: set[str] = set()
+        for rid in rids:
+            for lid in self._leases_naming.get(rid, ()):
+                if lid not in seen:
+                    seen.add(lid)
+                    yield self.leases[lid]
+
+    def leased(self, rid: str, now: float) -> bool:
+        """Does an unlapsed lease name replica ``rid``?"""
+        return any(self.leases[lid].expires >= now for lid in self._leases_naming.get(rid, ()))
+
+    def open_leases(self, now: float, rids: Iterable[str]) -> int:
+        """How many unlapsed leases name any of ``rids``."""
+        return sum(1 for l in self.leases_naming(rids) if l.expires >= now)

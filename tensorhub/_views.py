@@ -1,0 +1,105 @@
+"""What the coordinator shows of its state: ``/metrics`` and ``tensorhub status``.
+
+Read-only over a :class:`~tensorhub._state.CoordinatorState` (``st``; no decision depends
+on these; ``_state`` calls them, so they do not import it); the shell calls them under its
+lock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["metrics_view", "status_view", "FETCH_STALE"]
+
+#: A running fetch not reported for this long is dropped from the live table (seconds).
+FETCH_STALE = 10.0
+
+
+def metrics_view(st: Any, now: float) -> dict:
+    """Per model: its latest complete version, version counter, versions with a replica,
+    replicas by state (``fenced``: tombstones of dropped workers that leases still name),
+    bytes held by serving complete replicas, open leases; the worker count, and how often a
+    pause gave every worker a fresh ttl."""
+    models: dict[str, dict] = {}
+    for name, m in st.models.items():
+        models[name] = {"latest": m.newest, "counter": m.counter, "held_versions": set(),
+                        "replicas": {"serving": 0, "partial": 0, "suspect": 0, "draining": 0, "fenced": 0},
+                        "bytes": 0, "leases": 0}
+    for r in st.replicas.values():
+        mv = models.get(r.model)
+        if mv is None:
+            continue
+        state = "draining" if r.draining else "suspect" if r.suspect_until > now else \
+            "partial" if r.chunks is not None else "serving"
+        mv["replicas"][state] += 1
+        if state == "serving":
+            mv["held_versions"].add(r.version)
+            li = st.models[r.model].versions[r.version].layouts.get(r.layout)
+            man = li.manifests.get(r.shard) if li is not None else None
+            mv["bytes"] += man.nbytes if man is not None else 0
+    for r in st.tombstones.values():
+        if r.model in models:
+            models[r.model]["replicas"]["fenced"] += 1
+    for l in st.leases.values():
+        if l.expires >= now and l.model in models:
+            models[l.model]["leases"] += 1
+    for mv in models.values():
+        mv["held_versions"] = len(mv["held_versions"])
+    return {"workers": len(st.workers), "models": models, "pauses": st.pauses}
+
+
+def status_view(st: Any, now: float) -> dict:
+    """Everything ``tensorhub status`` shows."""
+    reg = st.registry
+    models = []
+    for name, m in sorted(st.models.items()):
+        versions = []
+        for v, vi in sorted(m.versions.items()):
+            reps = reg.replicas_of_version(name, v)
+            versions.append({
+                "version": v,
+                "complete": vi.complete,
+                "layouts": {
+                    lname: {"num_shards": li.num_shards, "complete": li.complete,
+                            "nbytes": sum(mf.nbytes for mf in li.manifests.values())}
+                    for lname, li in vi.layouts.items()
+                },
+                "replicas": [
+                    {
+                        "replica_id": r.replica_id, "worker_id": r.worker_id, "layout": r.layout,
+                        "shard": r.shard, "draining": r.draining,
+                        "suspect": r.suspect_until > now,
+                        "endpoint": st.workers[r.worker_id].endpoint,
+                        "locality": st.workers[r.worker_id].locality.model_dump(),
+                        "open_leases": reg.open_leases(now, (r.replica_id,)),
+                        "served": r.served,
+                        "partial": None if r.chunks is None else f"{len(r.chunks)}/{r.num_chunks}",
+                    }
+                    for r in sorted(reps, key=lambda r: r.registered_at)
+                ],
+            })
+        models.append({"model": name, "counter": m.counter, "latest": m.newest, "versions": versions})
+    return {
+        "epoch": st.epoch,
+        "models": models,
+        "workers": [
+            {"worker_id": w.worker_id, "endpoint": w.endpoint, "locality": w.locality.model_dump(),
+             "last_seen_ago": round(now - w.last_seen, 3), "served_leases": w.served_leases,
+             "served_bytes": w.served_bytes}
+            for w in st.workers.values()
+        ],
+        "leases": [
+            {"lease_id": l.lease_id, "worker_id": l.worker_id, "model": l.model, "version": l.version,
+             "layout": l.layout, "shard": l.shard, "replicas": list(l.replica_ids),
+             "expires_in": round(l.expires - now, 3)}
+            for l in st.leases.values() if l.expires >= now
+        ],
+        # Fetches running now (readers report about once a second, fetches over a second).
+        "fetches": [
+            {"worker_id": f.worker_id, "model": f.model, "version": f.version, "layout": f.layout,
+             "shard": f.shard, "nbytes": f.nbytes, "total": f.total, "seconds": f.seconds,
+             "sources": dict(f.sources), "failed_sources": f.failed_sources,
+             "reported_ago": round(now - at, 3)}
+            for f, at in st.fetching.values() if now <= at + FETCH_STALE
+        ],
+    }
