@@ -105,10 +105,9 @@ class EtcdEndpoints:
     def __init__(self, url: StoreURL, *, timeout: float = 1.0, ca_file: Optional[str] = None,
                  cert_file: Optional[str] = None, key_file: Optional[str] = None) -> None:
         try:
-            import etcd3gw  # noqa: F401
+            from etcd3gw.client import Etcd3Client
         except ImportError:
             raise ConfigError("the etcd store needs etcd3gw: pip install 'tensorhub[etcd]'") from None
-        from etcd3gw.client import Etcd3Client
 
         self.url = url
         self._clients = [

@@ -8,7 +8,6 @@ Select them with ``-m ha``.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
