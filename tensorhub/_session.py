@@ -44,7 +44,8 @@ MANIFESTS_KEPT = 32
 
 def data_host(coordinator_url: str) -> str:
     """The address our data plane advertises: loopback if the coordinator is, else the
-    local address of the route towards it (no packet is sent)."""
+    local address of the route towards it (no packet is sent). With several coordinator
+    URLs the caller passes the first."""
     host = urlparse(coordinator_url).hostname or "127.0.0.1"
     try:
         if ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
@@ -135,7 +136,7 @@ class Session:
         """The data plane, started (and its endpoint registered) on first use."""
         with self.holdings.lock:
             if self._transport is None:
-                host = envs.TENSORHUB_DATA_HOST or data_host(self.url)
+                host = envs.TENSORHUB_DATA_HOST or data_host(self.url.split(",")[0])
                 self._transport = create_transport(host=host, progress_timeout=self.progress_timeout)
             if not self._transport_started:
                 self._transport.start()

@@ -87,6 +87,8 @@ _ = (ALLOCATIONS_KEPT, LayoutInfo, ModelInfo, VersionInfo, Lease, Replica, Worke
 
 #: Most running fetches the live table keeps (more are not shown, still counted at the end).
 MAX_LIVE_FETCHES = 10_000
+#: Most versions one retention pass retires (the rest on the next tick).
+RETIRE_PER_TICK = 8
 #: ``locality_cost`` -> the ``distance`` label of fetched bytes.
 DISTANCES = ("same_host", "same_zone", "same_datacenter", "other_datacenter")
 
@@ -287,6 +289,8 @@ class CoordinatorState:
             complete = sorted((v for v, vi in m.versions.items() if vi.complete), reverse=True)
             kept = set(complete[:keep])
             for v in sorted(m.versions):
+                if len(gone) >= RETIRE_PER_TICK:
+                    return gone  # the rest on the next tick: one commit stays small (etcd's txn limit)
                 if v > m.newest or v in kept or (name, v) in asked or self.registry.in_use(name, v):
                     continue
                 self.catalog.retire(name, v)

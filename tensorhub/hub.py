@@ -346,7 +346,9 @@ def connect(url: Optional[str] = None, *, worker_id: Optional[str] = None,
             locality: Optional[Locality | str | Mapping[str, str]] = None, token: Optional[str] = None,
             config: Optional[HubConfig] = None, transport: Optional[Transport] = None, **options: Any) -> Hub:
     """Connect to the coordinator at ``url`` (default: ``TENSORHUB_COORDINATOR``); or with
-    a resolved ``config`` (:class:`~tensorhub.config.HubConfig`)."""
+    a resolved ``config`` (:class:`~tensorhub.config.HubConfig`). Several highly available
+    coordinators are given comma-separated (``"http://c1:7777,http://c2:7777"``): the Hub
+    follows the leader and fails over by itself."""
     if config is None:
         config = HubConfig.resolve(url, worker_id=worker_id, locality=locality, token=token, **options)
     elif url is not None or worker_id is not None or locality is not None or token is not None or options:
