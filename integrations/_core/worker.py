@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from tensorhub import envs
+
 from .ranks import EngineRanks
 from .settings import Settings, SettingsError
 
@@ -135,12 +137,10 @@ def open_hub(settings: Settings, engine: str, tp_rank: int, tp_size: int, pp_ran
     import tensorhub
 
     _probe(settings)
-    base = settings.worker_id or os.environ.get("TENSORHUB_WORKER_ID") or \
-        f"{engine}-{socket.gethostname()}-{os.getpid()}"
+    base = envs.pick(settings.worker_id, "TENSORHUB_WORKER_ID") or f"{engine}-{socket.gethostname()}-{os.getpid()}"
     wid = base + (f"-tp{tp_rank}" if tp_size > 1 else "") + (f"-pp{pp_rank}" if pp_rank else "")
     try:
-        return tensorhub.connect(settings.coordinator, worker_id=wid, locality=settings.locality,
-                                 token=settings.token, fetch_timeout=settings.fetch_timeout)
+        return tensorhub.connect(config=settings.hub_config(wid))
     except tensorhub.UnauthorizedError as e:
         raise SettingsError(f"tensorhub: setting 'token': the coordinator at {settings.coordinator} "
                             f"refused it ({e.message})") from None

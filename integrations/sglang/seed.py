@@ -182,12 +182,12 @@ class SeedServer:
                 raise SeedError(503, f"tensorhub seed: {open_} leases open (max_leases {self.max_leases}); "
                                      "ask again once one lapses")
             try:
-                grant = self.hub._acquire(self.model, v, layout, rank, set(), time.monotonic() + 10)
+                grant = self.hub.lease(self.model, v, layout=layout, shard=rank, timeout=10)
             except tensorhub.TensorHubError as e:
                 raise SeedError(404, f"tensorhub seed: {e}") from None
             picked = self._answer(grant, rank)
             if picked is None:
-                self.hub._release(grant.lease_id)
+                self.hub.release(grant.lease_id)
                 raise SeedError(404, f"tensorhub seed: no complete replica of {self.model!r} v{v} shard {rank} yet")
             now = time.monotonic()
             lease = _Lease(grant.lease_id, picked[0], picked[1], now + self.lease_seconds, now + grant.ttl / 3)
@@ -276,7 +276,7 @@ class SeedServer:
             renew = [(k, e) for k, e in self._leases.items() if e.renew_at <= now]
         for e in gone:
             try:
-                self.hub._release(e.lease_id)
+                self.hub.release(e.lease_id)
             except Exception as exc:  # expired or coordinator away: the lease lapses by itself
                 logger.debug("tensorhub seed: release %s: %s", e.lease_id, exc)
         for k, e in renew:
