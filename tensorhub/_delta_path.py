@@ -147,7 +147,7 @@ def check_base(session: Session, holdings: Holdings, model: str, tensors: Mappin
     else:
         btensors = dict(base_tensors)
         try:
-            manifest = session.api.manifest(model, base, layout, shard)
+            manifest = session.manifest(model, base, layout, shard)
         except NotFoundError as e:
             raise ConfigError(f"publish(base={base}): {model!r} v{base} layout {layout!r} shard {shard} "
                               f"is not known to the coordinator: {e.message}") from None
@@ -261,7 +261,7 @@ def plan(full: int, direct: Optional[Step], chain: Optional[list[Step]]) -> Opti
 
 def _step(session: Session, model: str, base: int, version: int, layout: str, shard: int) -> Optional[Step]:
     try:
-        m = session.api.manifest(model, version, delta_layout(base, layout), shard)
+        m = session.manifest(model, version, delta_layout(base, layout), shard)
     except CoordinatorError:
         return None
     return Step(base, version, m.nbytes)
@@ -378,7 +378,7 @@ def fetch_through_delta(session: Session, holdings: Holdings, opts: FetchOptions
                                 for t in into.values()):
         return None
     try:
-        manifest = session.api.manifest(model, version, layout, shard)
+        manifest = session.manifest(model, version, layout, shard)
     except CoordinatorError:
         return None  # the full fetch says what is wrong
     steps, why = _routes(session, model, b, version, layout, shard, manifest.nbytes)
