@@ -57,7 +57,7 @@ from ._session import Session
 from ._tensors import allocate_like, check_into, coalesce, dtype_name
 from ._wire import LeaseGrant, Manifest
 
-__all__ = ["HEADER", "DeltaRead", "check_base", "delta_layout", "fetch_through_delta", "plan", "publish_delta"]
+__all__ = ["HEADER", "DeltaRead", "check_base", "check_fetch_base", "delta_layout", "fetch_through_delta", "plan", "publish_delta"]
 
 logger = logging.getLogger(__name__)
 
@@ -350,6 +350,16 @@ def _verify(tensors: list[Any], algo: str, want: list[int], what: str) -> None:
         raise DeltaError(f"{what}: chunk {bad} does not match its checksum")
 
 
+def check_fetch_base(base: Any, version: int, into: Optional[Mapping[str, Any]], names: Optional[list]) -> None:
+    """``fetch(base=...)``'s arguments, refused before anything is read."""
+    if names is not None:
+        raise ConfigError("fetch(base=...) applies to whole versions, not fetch(names=...)")
+    if into is None:
+        raise ConfigError("fetch(base=...) names the version `into` holds: pass into=")
+    if not isinstance(base, int) or isinstance(base, bool) or not 1 <= base < version:
+        raise ConfigError(f"fetch(base={base!r}): the base must be a version below v{version}")
+
+
 def fetch_through_delta(session: Session, holdings: Holdings, opts: FetchOptions, model: str, version: int,
                         layout: str, shard: int, *, into: Optional[Mapping[str, Any]], base: Optional[int],
                         serve: bool, deadline: float, track: Track, pipelined: bool) -> Optional[Fetched]:
@@ -367,10 +377,7 @@ def fetch_through_delta(session: Session, holdings: Holdings, opts: FetchOptions
         src = max(older, key=lambda h: h.version)
         b = src.version
     else:
-        if into is None:
-            raise ConfigError("fetch(base=...) names the version `into` holds: pass into=")
-        if not isinstance(base, int) or isinstance(base, bool) or not 1 <= base < version:
-            raise ConfigError(f"fetch(base={base!r}): the base must be a version below v{version}")
+        check_fetch_base(base, version, into, None)
         b = base
     if src is not None and any(t.device.type != "cpu" for t in src.tensors.values()):
         return None

@@ -305,6 +305,8 @@ class Hub:
             version = self.resolve(model, group=group)
         elif not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ConfigError(f"version must be a positive int, got {version!r}")
+        if base is not None:  # delta versions (issue #16)
+            _delta_path.check_fetch_base(base, version, into, names)
         held = self._holdings.get((model, version, layout, shard))
         if held is not None:  # we hold it already: no transfer
             return copy_held(held, into, names, self._holdings, self.worker_id)
@@ -316,8 +318,6 @@ class Hub:
                                                 pipelined=self.pipelined)
             if f is not None:
                 return f
-        elif base is not None:
-            raise ConfigError("fetch(base=...) applies to whole versions, not fetch(names=...)")
         return Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into, serve=serve,
                      deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
 

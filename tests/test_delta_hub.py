@@ -230,7 +230,13 @@ def test_publish_base_errors(connect):
     other["w"] = other["w"][:10].clone()
     with pytest.raises(TensorMismatchError, match="'w' is float32\\[10, 256\\], v1 has float32\\[256, 256\\]"):
         t.publish("m", other, base=1)
+    with pytest.raises(ConfigError, match="needs base="):
+        t.publish("m", _step(w1, 2), base_tensors=w1)
     assert t.latest("m") == 1  # nothing was published by the refused calls
+    with pytest.raises(ConfigError, match="not fetch\\(names=...\\)"):
+        t.fetch("m", 1, names=["w"], serve=False, base=1)
+    with pytest.raises(ConfigError, match="a version below v1"):
+        t.fetch("m", 1, into={k: v.clone() for k, v in w1.items()}, base=1)
 
 
 def test_a_delta_of_most_of_the_bytes_is_not_published(connect):
