@@ -320,10 +320,6 @@ class DeltaRead:
     apply_seconds: float
 
 
-class _Fallback(Exception):
-    pass
-
-
 def _header(blob: Any, step: Step, model: str, layout: str, shard: int, manifest: Manifest) -> dict:
     try:
         h = json.loads(bytes(_raw(blob)).decode())
@@ -396,10 +392,10 @@ def fetch_through_delta(session: Session, holdings: Holdings, opts: FetchOptions
     try:
         return _run(session, holdings, opts, model, version, layout, shard, manifest, steps, src, into, serve,
                     deadline, track, pipelined)
-    except (TensorHubError, _Fallback) as e:
+    except Exception as e:  # any delta problem: the full read stands behind it
         _count(model, "fallback")
         logger.warning("%s v%d: delta from v%d not used, reading the full version instead: %s", model, version,
-                       b, e)
+                       b, e, exc_info=not isinstance(e, TensorHubError))
         return None
 
 
