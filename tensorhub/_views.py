@@ -12,7 +12,7 @@ from typing import Any
 
 from ._planner import locality_cost
 
-__all__ = ["metrics_view", "status_view", "record_fetch", "FETCH_STALE", "DISTANCES"]
+__all__ = ["metrics_view", "status_view", "version_view", "record_fetch", "FETCH_STALE", "DISTANCES"]
 
 #: A running fetch not reported for this long is dropped from the live table (seconds).
 FETCH_STALE = 10.0
@@ -76,6 +76,23 @@ def metrics_view(st: Any, now: float) -> dict:
     for mv in models.values():
         mv["held_versions"] = len(mv["held_versions"])
     return {"workers": len(st.workers), "models": models, "pauses": st.pauses}
+
+
+def version_view(st: Any, now: float, model: str, version: int) -> dict:
+    """One version: complete or not, its layouts, its replicas now (by the registry's
+    version index: no scan of the rest)."""
+    vi = st.catalog.version(model, version)
+    reps = sorted(st.registry.replicas_of_version(model, version), key=lambda r: r.registered_at)
+    return {
+        "model": model, "version": version, "complete": vi.complete,
+        "layouts": {lname: {"num_shards": li.num_shards, "complete": li.complete,
+                            "nbytes": sum(mf.nbytes for mf in li.manifests.values())}
+                    for lname, li in vi.layouts.items()},
+        "replicas": [{"replica_id": r.replica_id, "worker_id": r.worker_id, "layout": r.layout, "shard": r.shard,
+                      "draining": r.draining, "suspect": r.suspect_until > now,
+                      "partial": None if r.chunks is None else f"{len(r.chunks)}/{r.num_chunks}"}
+                     for r in reps],
+    }
 
 
 def status_view(st: Any, now: float) -> dict:

@@ -366,6 +366,42 @@ class VersionAnswer(_Answer):
     version: Optional[int]
 
 
+class LayoutView(_Answer):
+    num_shards: int
+    complete: bool
+    nbytes: int
+
+
+class ReplicaView(_Answer):
+    replica_id: str
+    worker_id: str
+    layout: str
+    shard: int
+    draining: bool
+    suspect: bool
+    #: "k/n" chunks held while still receiving (pipelined); None when complete.
+    partial: Optional[str] = None
+
+    @property
+    def serving(self) -> bool:
+        """Offered to new readers whole: not draining, suspect or partial."""
+        return not self.draining and not self.suspect and self.partial is None
+
+
+class VersionView(_Answer):
+    """One version as the coordinator sees it now (``GET /v1/models/{m}/versions/{v}``)."""
+
+    model: str
+    version: int
+    complete: bool
+    layouts: dict[str, LayoutView]
+    replicas: list[ReplicaView]
+
+    def layout_complete(self, layout: str) -> bool:
+        li = self.layouts.get(layout)
+        return li is not None and li.complete
+
+
 class ReplicaRegistered(_Answer):
     replica_id: str
     complete: bool

@@ -40,6 +40,7 @@ from ._exceptions import (
 )
 from ._coordinator import NOT_LEADER, Coordinator, ha_coordinator
 from ._state import StateConfig
+from ._views import version_view
 from ._wire import (
     MAX_BODY_BYTES,
     MAX_NAME_LEN,
@@ -313,6 +314,11 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
                      req.layout, req.shard, req.num_shards, req.worker_id,
                      " (partial)" if req.partial else " (version complete)" if complete else "")
         return {"replica_id": rid, "complete": complete}
+
+    @app.get("/v1/models/{model}/versions/{version}")
+    def version_info(model: str = _model(), version: int = _version()) -> dict:
+        """One version now: complete or not, its layouts, its replicas (``VersionView``)."""
+        return coord.read(lambda: version_view(st(), coord.clock(), model, version))
 
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=Manifest)
     def manifest(model: str = _model(), version: int = _version(),

@@ -260,3 +260,15 @@ def test_a_failed_commit_is_an_error_for_everyone_who_saw_it_and_is_rolled_back(
         assert coord.call(lambda now: coord.state.allocate_version(now, "m")) == 2
     finally:
         coord.close()
+
+
+def test_version_info_is_typed_and_answers_one_version(connect):
+    trainer, reader = connect("trainer"), connect("reader")
+    v = trainer.publish("m", {"w": torch.zeros(8)})
+    info = reader.version_info("m", v)
+    assert info.complete and info.layout_complete("hf") and not info.layout_complete("nope")
+    assert info.layouts["hf"].nbytes == 32 and info.layouts["hf"].num_shards == 1
+    assert [(r.worker_id, r.shard, r.serving) for r in info.replicas] == [("trainer", 0, True)]
+    reader.fetch("m", v)  # serves it too
+    assert sorted(r.worker_id for r in reader.version_info("m", v).replicas) == ["reader", "trainer"]
+    assert reader.version_info("m", v + 5) is None and reader.version_info("nope", 1) is None
