@@ -551,7 +551,8 @@ class CoordinatorState:
             layout=req.layout,
             shard=req.shard,
             num_shards=li.num_shards,
-            manifest=li.manifests[req.shard] if req.manifest and refresh is None else None,
+            # Only clients that read manifests by version say so; older ones get it every time.
+            manifest=li.manifests[req.shard] if req.manifest else None,
             replicas=[
                 ReplicaInfo(
                     replica_id=r.replica_id, worker_id=w.worker_id, endpoint=w.endpoint,

@@ -229,8 +229,8 @@ class AcquireLease(_Model):
     lease_id: Optional[Ident] = None
     #: Client-chosen id of this request: a retry with the same id gets the same lease.
     request_id: Optional[Ident] = None
-    #: Answer the shard's manifest in the grant. Readers that keep manifests by version
-    #: (final once registered: ``GET .../manifest``) send false; refreshes never carry it.
+    #: Answer the shard's manifest in the grant (and in refreshes). Readers that keep
+    #: manifests by version (final once registered: ``GET .../manifest``) send false.
     manifest: bool = True
 
 

@@ -151,8 +151,12 @@ def test_lease_answers_carry_the_manifest_only_when_asked(embedded):
         assert full["manifest"]["tensors"][0]["name"] == "w"  # older clients: as before
         lean = c.post("/v1/leases", json={**body, "manifest": False, "pipelined": True}).json()
         assert lean["manifest"] is None and lean["replicas"]
-        refresh = c.post("/v1/leases", json={**body, "pipelined": True, "lease_id": lean["lease_id"]}).json()
+        refresh = c.post("/v1/leases", json={**body, "pipelined": True, "lease_id": lean["lease_id"],
+                                             "manifest": False}).json()
         assert refresh["manifest"] is None and refresh["lease_id"] == lean["lease_id"]
+        # An older client (no "manifest" field) refreshing still gets it, as it always did.
+        old = c.post("/v1/leases", json={**body, "pipelined": True, "lease_id": lean["lease_id"]}).json()
+        assert old["manifest"]["tensors"][0]["name"] == "w"
 
 
 def test_wait_for_version_is_woken_by_the_publish(connect):
