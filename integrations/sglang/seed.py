@@ -243,24 +243,22 @@ class SeedServer:
         return r.replica_id, {"rank": rank, "remote_instance_transfer_engine_info": [r.endpoint, weights]}
 
     def _layout(self, v: int) -> tuple[str, int]:
-        st = self.hub.api.status()
-        m = next((m for m in st["models"] if m["model"] == self.model), None)
-        vi = None if m is None else next((x for x in m["versions"] if x["version"] == v), None)
+        vi = self.hub.version_info(self.model, v)
         if vi is None:
             raise SeedError(404, f"tensorhub seed: {self.model!r} has no version {v}")
-        native = {k: li for k, li in vi["layouts"].items() if k != "hf" and li["complete"]}
+        native = {k: li for k, li in vi.layouts.items() if k != "hf" and li.complete}
         if self.layout is not None:
-            li = vi["layouts"].get(self.layout)
-            if li is None or not li["complete"]:
+            li = vi.layouts.get(self.layout)
+            if li is None or not li.complete:
                 raise SeedError(404, f"tensorhub seed: {self.model!r} v{v} has no complete layout {self.layout} "
                                      f"(complete engine-native layouts: {sorted(native) or 'none'})")
-            return self.layout, li["num_shards"]
+            return self.layout, li.num_shards
         if len(native) != 1:
             why = "none; start an engine with --load-format tensorhub (native on)" if not native else \
                 f"several ({', '.join(sorted(native))}); pass --layout"
             raise SeedError(404, f"tensorhub seed: {self.model!r} v{v}: complete engine-native layouts: {why}")
         (name, li), = native.items()
-        return name, li["num_shards"]
+        return name, li.num_shards
 
     # ------------------------------------------------------------------ leases
     def _lease_loop(self) -> None:
