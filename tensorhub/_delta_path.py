@@ -221,6 +221,26 @@ def encode_tensors(tensors: Mapping[str, Any], base: BaseCopy, *, model: str, ve
     return out, buf, stats
 
 
+def publish_with_delta(session: Session, holdings: Holdings, checksum: str, model: str,
+                       tensors: Mapping[str, Any], base: Optional[int], base_tensors: Optional[Mapping[str, Any]], *,
+                       version: Optional[int], layout: str, shard: int, num_shards: int) -> int:
+    """``Hub.publish(..., base=b)``: check the base before anything is published, publish
+    the full version, then its delta against v``b`` (the full version stands even if its
+    delta cannot be published: readers then read it in full)."""
+    if base is None:
+        raise ConfigError("publish(base_tensors=...) needs base= (the version they hold)")
+    base_copy = check_base(session, holdings, model, tensors, base, base_tensors, layout, shard)
+    v = _holder.publish(session, holdings, checksum, model, tensors, version=version, layout=layout, shard=shard,
+                        num_shards=num_shards)
+    try:
+        publish_delta(session, holdings, checksum, model, tensors, base_copy, version=v, layout=layout, shard=shard,
+                      num_shards=num_shards)
+    except TensorHubError as e:
+        logger.warning("%s v%d is published, but its delta against v%d is not (readers read it in full): %s",
+                       model, v, base, e)
+    return v
+
+
 def publish_delta(session: Session, holdings: Holdings, checksum: str, model: str, tensors: Mapping[str, Any],
                   base: BaseCopy, *, version: int, layout: str, shard: int, num_shards: int) -> DeltaStats:
     """Encode ``tensors`` against ``base`` and register the delta layout of ``version``."""

@@ -166,24 +166,12 @@ class Hub:
         bytes. The base is this process's replica of v``b``, or ``base_tensors`` (exactly
         v``b``'s bytes; checked against its checksums before anything is published)."""
         self._check_open()
-        # --- delta versions (issue #16): check the base before anything is published
-        base_copy = None
-        if base is not None or base_tensors is not None:
-            if base is None:
-                raise ConfigError("publish(base_tensors=...) needs base= (the version they hold)")
-            base_copy = _delta_path.check_base(self._session, self._holdings, model, tensors, base, base_tensors,
-                                               layout, shard)
-        # ---
-        v = _holder.publish(self._session, self._holdings, self.checksum, model, tensors, version=version,
-                            layout=layout, shard=shard, num_shards=num_shards)
-        if base_copy is not None:  # the full version stands even if its delta cannot be published
-            try:
-                _delta_path.publish_delta(self._session, self._holdings, self.checksum, model, tensors, base_copy,
-                                          version=v, layout=layout, shard=shard, num_shards=num_shards)
-            except TensorHubError as e:
-                logger.warning("%s v%d is published, but its delta against v%d is not (readers read it in full): "
-                               "%s", model, v, base, e)
-        return v
+        if base is None and base_tensors is None:
+            return _holder.publish(self._session, self._holdings, self.checksum, model, tensors, version=version,
+                                   layout=layout, shard=shard, num_shards=num_shards)
+        return _delta_path.publish_with_delta(self._session, self._holdings, self.checksum, model, tensors,
+                                              base, base_tensors, version=version, layout=layout, shard=shard,
+                                              num_shards=num_shards)
 
     def unpublish(self, model: str, version: int, *, timeout: Optional[float] = None,
                   retain_on_cpu: Optional[bool] = None) -> None:
