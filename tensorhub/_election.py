@@ -213,6 +213,18 @@ class Election:
                 self.changes += 1
             self._leader_url = url
 
+    def _mine(self, kv: dict) -> bool:
+        try:
+            return json.loads(EtcdEndpoints.value(kv)).get("id") == self.id
+        except (ValueError, AttributeError):
+            return False
+
+    def _drop(self, kv: dict) -> None:
+        rev = str(kv.get("create_revision", "0"))
+        self.etcd.txn([{"key": _b64(self.leader_key), "target": "CREATE", "result": "EQUAL", "create_revision": rev}],
+                      [{"request_delete_range": {"key": _b64(self.leader_key)}}])
+        logger.warning("coordinator %s freed the leader key it no longer trusts", self.url)
+
     def _run(self) -> None:
         renew_every = self.ttl / 5
         next_renew = self.clock() + renew_every
@@ -232,6 +244,11 @@ class Election:
                     kv = self.etcd.get(self.leader_key)
                     if kv is None:
                         self._campaign()
+                    elif self._mine(kv):
+                        # Our own key, but we stepped down (our lease lapsed on our clock
+                        # while etcd kept it, e.g. across an etcd leader change, which
+                        # extends every lease): free it, or nobody would ever campaign.
+                        self._drop(kv)
                     else:
                         self._saw(kv)
             except EtcdUnavailable as e:
