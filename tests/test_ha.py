@@ -419,3 +419,25 @@ def test_client_several_urls_single_url_and_bad_list(tmp_path, etcd, prefix):
         c.close(), c2.close()
     finally:
         cs.stop()
+
+
+def test_leader_that_stepped_down_on_its_clock_frees_its_key(etcd, prefix):
+    """A leader whose lease lapsed on its own clock while etcd kept it (an etcd leader change
+    extends every lease) steps down; it must free its leader key, or nobody campaigns."""
+    from tensorhub._election import Election
+    from tensorhub._store_etcd import EtcdStore
+
+    store = EtcdStore(etcd.store_url + prefix)
+    store.open()
+    a = Election(store.etcd, store.prefix, "http://a")
+    a.start()
+    try:
+        wait_for(a.leading, 5, "a leads")
+        first = a.fence()["create_revision"]
+        with a._lock:
+            a._lease_until = float("-inf")  # its clock says the lease lapsed; etcd says not
+        wait_for(lambda: a.leading() and a.fence()["create_revision"] != first, 5, "a new election")
+        assert a.lost == 1 and a.won == 2
+    finally:
+        a.stop()
+        store.close()
