@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 from urllib.parse import urlparse
 
-from . import envs
+from . import _samehost as samehost, envs
 from ._client import CoordinatorClient
 from ._exceptions import HubClosedError, NotFoundError, TensorHubError
 from ._holdings import Held, Holdings, unregister_regions
@@ -113,6 +113,7 @@ class Session:
             if self._transport is None:
                 host = envs.TENSORHUB_DATA_HOST or data_host(self.url)
                 self._transport = create_transport(host=host, progress_timeout=self.progress_timeout)
+                self._transport = samehost.wrap(self._transport, self)  # same-host reads (issue #14)
             if not self._transport_started:
                 self._transport.start()
                 self._transport_started = True
