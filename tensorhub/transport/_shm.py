@@ -79,6 +79,8 @@ class _Arena:
 _lock = threading.Lock()
 _live: dict[int, _Arena] = {}  # base address -> arena with tensors alive
 _pool: list[_Arena] = []  # freed arenas, pages faulted in, ready for reuse
+#: Arenas created (not taken from the pool) since the process started (tests, benchmarks).
+created = 0
 
 
 def _cap() -> int:
@@ -120,6 +122,8 @@ def _recycle(base: int) -> None:
 
 
 def _new_arena(size: int) -> _Arena:
+    global created
+    created += 1
     fd = os.memfd_create("tensorhub", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
@@ -133,6 +137,19 @@ def _new_arena(size: int) -> _Arena:
     return _Arena(fd, mm, base, size)
 
 
+def _fits(a: _Arena, size: int) -> bool:
+    return size <= a.size <= size + size // 4 + (2 << 20)
+
+
+def _from_pool(size: int) -> Optional[_Arena]:
+    with _lock:
+        fit = [a for a in _pool if _fits(a, size)]
+        a = min(fit, key=lambda x: x.size) if fit else None
+        if a is not None:
+            _pool.remove(a)
+    return a
+
+
 def empty(nbytes: int) -> Any:
     """A uint8 CPU tensor of ``nbytes`` over a memfd arena (a pooled one when one fits:
     no page faults), serveable to same-host readers. Freed (pooled) when its last view dies."""
@@ -140,11 +157,7 @@ def empty(nbytes: int) -> Any:
     import torch
 
     size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
-    with _lock:
-        fit = [a for a in _pool if size <= a.size <= size + size // 4 + (2 << 20)]
-        a = min(fit, key=lambda x: x.size) if fit else None
-        if a is not None:
-            _pool.remove(a)
+    a = _from_pool(size)
     if a is None:
         a = _new_arena(size)
     arr = np.frombuffer(a.mm, dtype=np.uint8, count=size)
