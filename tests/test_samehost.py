@@ -143,3 +143,64 @@ def test_fds_only_for_a_valid_lease_on_that_replica(tmp_path, workers):
         assert n == 0 and "lease" in ans.get("why", ""), ans
     finally:
         coord.stop()
+
+
+def test_transport_copies_covered_batches_and_passes_the_rest_on():
+    """Two wrapped transports in one process: a batch inside the holder's arena is copied
+    (exact bytes, no Mooncake batch); one touching plain memory goes over Mooncake."""
+    import torch
+
+    from tensorhub._reader import Source
+    from tensorhub.transport import DONE, PENDING, MooncakeTransport, ReadOp
+    from tensorhub.transport import _shm
+
+    asked = []
+    arena = _shm.empty(8 * MiB)
+    arena.copy_(torch.randint(0, 255, (8 * MiB,), dtype=torch.uint8))
+    plain = torch.randint(0, 255, (1 * MiB,), dtype=torch.uint8)
+
+    def authorize(lease, replica, worker):
+        asked.append((lease, replica, worker))
+        return [(arena.data_ptr(), 8 * MiB)] if lease == "good" else None
+
+    holder = _shm.SameHostTransport(MooncakeTransport(), token=None, host_label="h", authorize=authorize,
+                                    worker_id="holder")
+    reader = _shm.SameHostTransport(MooncakeTransport(), token=None, host_label="h",
+                                    authorize=lambda *a: None, worker_id="reader")
+    try:
+        ep = holder.start()
+        reader.start()
+        holder.register(arena.data_ptr(), 8 * MiB)
+        holder.register(plain.data_ptr(), 1 * MiB)
+        dst = torch.zeros(9 * MiB, dtype=torch.uint8)
+        reader.register(dst.data_ptr(), dst.nbytes)
+
+        def run(lease, ops):
+            h = reader.submit_from(Source("r1", "holder", ep, (), lease), ops)
+            while (st := reader.poll(h)) == PENDING:
+                time.sleep(0.001)
+            return st
+
+        ops = [ReadOp(dst.data_ptr(), arena.data_ptr() + MiB, 3 * MiB),
+               ReadOp(dst.data_ptr() + 3 * MiB, arena.data_ptr(), MiB)]
+        assert run("good", ops) == DONE
+        assert torch.equal(dst[:3 * MiB], arena[MiB:4 * MiB]) and torch.equal(dst[3 * MiB:4 * MiB], arena[:MiB])
+        assert reader.copied_bytes == 4 * MiB and reader.inner_batches == 0
+        assert asked == [("good", "r1", "reader")]
+        # One op outside the arena: the whole batch goes over Mooncake (bytes still exact).
+        mixed = [ReadOp(dst.data_ptr() + 4 * MiB, arena.data_ptr(), MiB),
+                 ReadOp(dst.data_ptr() + 8 * MiB, plain.data_ptr(), MiB)]
+        assert run("good", mixed) == DONE
+        assert torch.equal(dst[8 * MiB:], plain) and reader.inner_batches == 1 and reader.copied_bytes == 4 * MiB
+        # A lease the holder does not accept: Mooncake, no fd.
+        dst.zero_()
+        assert run("bad", ops[:1]) == DONE
+        assert torch.equal(dst[:3 * MiB], arena[MiB:4 * MiB]) and reader.copied_bytes == 4 * MiB
+        assert reader.inner_batches == 2
+        # The holder's memory changes in place (same file): a later lease sees the new bytes.
+        reader.forget({"good"})
+        arena[MiB:2 * MiB] = 7
+        assert run("good", ops[:1]) == DONE and bool((dst[:MiB] == 7).all())
+    finally:
+        reader.close()
+        holder.close()
