@@ -138,9 +138,10 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "over a Unix socket under a lease), instead of over the data plane's loopback.",
     ),
     "TENSORHUB_SHM_POOL_BYTES": (
-        _int("TENSORHUB_SHM_POOL_BYTES", 4 << 30),
+        _int("TENSORHUB_SHM_POOL_BYTES", -1),
         "Bytes of freed TensorHub-allocated CPU memory kept (pages faulted in) for reuse by "
-        "the next fetch into new memory; 0 frees it at once.",
+        "the next fetch into new memory; 0 frees it at once; -1 (default): the largest "
+        "buffer allocated so far (one model's worth).",
     ),
 }
 

@@ -8,7 +8,8 @@ Two halves, both in every process that uses a Hub:
   tensor viewing an arena dies, the arena goes back to a small pool (its pages already
   faulted in) instead of being unmapped, so the next fetch into new memory of a similar
   size pays no first-touch page faults (these cost ~1 s/GiB on the test VMs, more than
-  the copy). ``TENSORHUB_SHM_POOL_BYTES`` caps what the pool keeps.
+  the copy). ``TENSORHUB_SHM_POOL_BYTES`` caps what the pool keeps (default: the largest
+  arena made, i.e. one model's worth).
 * **The fd server and the copying transport.** :class:`SameHostTransport` wraps the real
   transport (Mooncake). Once started it listens on an abstract Unix socket named after its
   endpoint (abstract names are per network namespace: a reader in another namespace cannot
@@ -84,8 +85,14 @@ _pool: list[_Arena] = []  # freed arenas, pages faulted in, ready for reuse
 created = 0
 
 
+#: The largest arena made so far: what the pool keeps by default (one model's worth, so an
+#: engine that frees version v after loading v+1 fetches v+2 into v's faulted-in pages).
+_largest = 0
+
+
 def _cap() -> int:
-    return max(0, envs.TENSORHUB_SHM_POOL_BYTES)
+    cap = envs.TENSORHUB_SHM_POOL_BYTES
+    return _largest if cap < 0 else cap
 
 
 def pool_bytes() -> int:
@@ -123,8 +130,9 @@ def _recycle(base: int) -> None:
 
 
 def _new_arena(size: int) -> _Arena:
-    global created
+    global created, _largest
     created += 1
+    _largest = max(_largest, size)
     fd = os.memfd_create("tensorhub", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
