@@ -31,7 +31,11 @@ Every fetch is checked tensor by tensor (sha256) against the bytes published for
 All must be 0. Prints the counts of every action and, per fault kind, of every outcome;
 exits 1 otherwise.
 
-    python benchmarks/soak.py --trials 300 [--seed 1] [--mib 16] [--weight cut=4] [--json out/soak.json]
+``--store etcd`` runs the coordinator on a real etcd (``/usr/bin/etcd``, one member,
+loopback only): every restart is then a new election and a restore from etcd, and the
+counts are the same. (Failover between several coordinators: ``bench_failover.py``.)
+
+    python benchmarks/soak.py --trials 300 [--seed 1] [--mib 16] [--weight cut=4] [--store etcd] [--json out/soak.json]
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ from typing import Any, Optional
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tensorhub._state import StateConfig  # noqa: E402  (retention: which versions may be retired)
 
 #: Errors a user may see from a fetch/unpublish under faults; anything else is a defect.
 CLEAR_ERRORS = {"FetchError", "NotFoundError", "HubTimeoutError", "ConflictError", "RetentionError",
@@ -74,7 +80,7 @@ DEFAULT_WEIGHTS = {"publish": 3, "fetch": 6, "kill": 2, "hang": 2, "coordinator"
 
 
 def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bool] = None,
-        weights: Optional[dict[str, float]] = None) -> dict:
+        weights: Optional[dict[str, float]] = None, store: str = "sqlite") -> dict:
     import testbed
 
     from tensorhub.testing import CoordinatorProcess, Faults, Worker, WorkerError, digest, make_weights
@@ -94,7 +100,11 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
     # r2 reads plain (the others pipelined); only r1 verifies per-chunk checksums: r0 and r2
     # rely on the protocol alone, so a fencing defect shows as torn/mixed, not a clear error.
     per_worker = {"r0": dict(checksum="off"), "r2": dict(pipelined=False, checksum="off")}
-    if netns is None:
+    if store == "etcd":
+        if netns:
+            raise SystemExit("--store etcd runs on loopback only (pass --no-netns)")
+        netns, why = False, "--store etcd: etcd runs on loopback"
+    elif netns is None:
         netns, why = testbed.available()
     else:
         why = "" if netns else "--no-netns"
@@ -114,8 +124,13 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
                                        extra=("--worker-ttl", str(WORKER_TTL), "--lease-ttl", str(LEASE_TTL)))
         else:
             tb = None
-            coord = CoordinatorProcess(Path(tmp) / "state",
-                                       extra=("--worker-ttl", str(WORKER_TTL), "--lease-ttl", str(LEASE_TTL)))
+            extra: tuple = ("--worker-ttl", str(WORKER_TTL), "--lease-ttl", str(LEASE_TTL))
+            if store == "etcd":
+                from tensorhub.testing._etcd import EtcdCluster
+
+                etcd = stack.enter_context(EtcdCluster(Path(tmp) / "etcd", members=1))
+                extra += ("--store", etcd.store_url)
+            coord = CoordinatorProcess(Path(tmp) / "state", extra=extra)
         coord.start()
         faults = Faults(coord.url, seed=seed, netns=tb.core if tb else None)
         gen = Counter()
@@ -407,13 +422,18 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
                 counts["trials"] += 1
                 if (i + 1) % 20 == 0:
                     log(f"  {i + 1}/{trials} trials, {time.monotonic() - t_start:.0f}s, problems so far: {len(bad)}")
-            # every version whose publish returned is still known, numbers never reused
+            # every version whose publish returned is still known (unless retention retired
+            # it: older than the newest KEEP_VERSIONS, held by no one), numbers never reused
             time.sleep(0.5)
             st = faults.status()
             known = {v["version"] for m in st["models"] for v in m["versions"]}
+            retirable = set(sorted(set(issued))[:-StateConfig.keep_versions])
             for v in issued:
-                if v not in known:
+                if v not in known and v not in retirable:
                     problem("lost", issued_during.get(v, "none"), f"v{v} is unknown to the coordinator")
+            counter = max((m["counter"] for m in st["models"]), default=0)
+            if issued and counter < max(issued):
+                problem("lost", "none", f"the version counter {counter} went below v{max(issued)}")
             if len(set(issued)) != len(issued):
                 problem("lost", "none", "a version number was handed out twice")
         finally:
@@ -424,7 +444,7 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
             coord.stop()
 
     kinds = Counter(what for what, _, _ in bad)
-    return {"trials": trials, "seed": seed, "seconds": time.monotonic() - t_start, "counts": dict(counts),
+    return {"trials": trials, "seed": seed, "store": store, "seconds": time.monotonic() - t_start, "counts": dict(counts),
             "netns": bool(tb), "by_kind": {k: dict(by_kind[k]) for k in KINDS if k in by_kind},
             "torn": kinds["torn"], "mixed": kinds["mixed"], "lost": kinds["lost"], "late": kinds["late"],
             "expired": kinds["expired"], "problems": [f"{what} [{kind}]: {msg}" for what, kind, msg in bad],
@@ -439,15 +459,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-netns", action="store_true", help="run on loopback (no cut/pause kinds)")
     ap.add_argument("--weight", action="append", default=[], metavar="ACTION=W",
                     help=f"how often an action is drawn (defaults: {DEFAULT_WEIGHTS}); 0 leaves it out")
+    ap.add_argument("--store", choices=["sqlite", "etcd"], default="sqlite",
+                    help="the coordinator's store (etcd: a real etcd member on loopback; implies --no-netns)")
     ap.add_argument("--json", default="out/soak.json")
     args = ap.parse_args(argv)
     weights = {}
     for item in args.weight:
         name, _, w = item.partition("=")
         weights[name.strip()] = float(w)
-    r = run(args.trials, args.seed, args.mib, netns=False if args.no_netns else None, weights=weights)
+    r = run(args.trials, args.seed, args.mib, netns=False if args.no_netns or args.store == "etcd" else None,
+            weights=weights, store=args.store)
     print(f"soak: {r['trials']} trials, {r['versions']} versions, {r['seconds']:.0f}s (seed {r['seed']}, "
-          f"{'network namespaces' if r['netns'] else 'loopback'})")
+          f"{'network namespaces' if r['netns'] else 'loopback'}, {r['store']} store)")
     for k, n in sorted(r["counts"].items()):
         print(f"  {k:<45}{n:>6}")
     print("fetches by fault kind:")

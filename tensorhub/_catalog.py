@@ -56,9 +56,12 @@ class ModelInfo:
     #: so this only grows; ``latest`` reads it in O(1).
     newest: Optional[int] = None
 
-    def completed(self, version: int) -> None:
+    def completed(self, version: int) -> bool:
+        """A version became complete; True if it is the new newest."""
         if self.newest is None or version > self.newest:
             self.newest = version
+            return True
+        return False
 
 
 class Catalog:
@@ -69,12 +72,20 @@ class Catalog:
         #: (model, request_id) -> version: allocations already answered (bounded per model).
         self.allocations: dict[tuple[str, str], int] = {}
         self._writes: list[Write] = []
+        #: Models whose newest complete version changed since ``take_completed``.
+        self._completed: set[str] = set()
 
     # ----------------------------------------------------------------- durability
     def take_writes(self) -> list[Write]:
         """Changes since the last call, in order; the shell commits them."""
         w, self._writes = self._writes, []
         return w
+
+    def take_completed(self) -> set[str]:
+        """Models with a new newest complete version since the last call (the shell wakes
+        whoever waits for one)."""
+        c, self._completed = self._completed, set()
+        return c
 
     def rows(self) -> list[Write]:
         """Every durable fact as writes (what a store holds)."""
@@ -122,9 +133,8 @@ class Catalog:
         m = self.model(model)
         vi = m.versions.get(version)
         if vi is None:
-            raise NotFoundError(
-                f"model {model!r} has no version {version} (newest allocated: {m.counter})", "unknown_version"
-            )
+            why = "it was retired (or skipped)" if version <= m.counter else f"newest allocated: {m.counter}"
+            raise NotFoundError(f"model {model!r} has no version {version} ({why})", "unknown_version")
         return vi
 
     def layout(self, model: str, version: int, layout: str, shard: int) -> LayoutInfo:
@@ -189,6 +199,12 @@ class Catalog:
                 self._writes.append(("allocation_floor", (model,), floor))
         return version
 
+    def retire(self, model: str, version: int) -> None:
+        """Forget a version's metadata (layouts, manifests). Its number is never handed
+        out again: the model's counter stays."""
+        del self.models[model].versions[version]
+        self._writes.append(("retire", (model, version), None))
+
     def add_manifest(self, req: RegisterReplica, check_partial=None) -> LayoutInfo:
         """Record the layout and the shard's manifest a replica registers: the first
         manifest of (model, version, layout, shard) is final, a different one is refused
@@ -211,8 +227,8 @@ class Catalog:
         if known is None:
             li.manifests[req.shard] = req.manifest
             self._writes.append(("manifest", (req.model, req.version, req.layout, req.shard), req.manifest))
-            if li.complete:
-                self.models[req.model].completed(req.version)
+            if li.complete and self.models[req.model].completed(req.version):
+                self._completed.add(req.model)
         else:
             diff = first_difference(known, req.manifest)
             if diff is not None:

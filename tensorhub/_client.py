@@ -4,12 +4,20 @@
 
 Connection failures and 5xx answers are retried with backoff for up to ``retry_timeout``
 seconds (a coordinator restart looks like that); 4xx answers are not retried.
+
+Highly available coordinators: ``url`` may list several, comma-separated
+(``"http://c1:7777,http://c2:7777"``). A follower answers ``307`` with the leader's URL
+(``Location``, and ``leader`` in the body) or ``503 not_leader`` while an election runs: the
+client switches to the leader at once, and on a connection failure or a 503 it moves to
+the next URL, sleeping with backoff and jitter once per round of the list. One URL behaves
+as before (and follows a follower's redirect).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import ssl
 import threading
 import time
@@ -45,6 +53,17 @@ _BY_STATUS = {401: UnauthorizedError, 404: NotFoundError, 409: ConflictError,
               422: InvalidRequestError}
 
 
+def coordinator_urls(url: str) -> list[str]:
+    """The URLs in ``url`` (comma-separated), without trailing slashes; raises
+    :class:`ConfigError` for an empty or non-http(s) entry."""
+    urls = [u.strip().rstrip("/") for u in url.split(",")]
+    if len(urls) > 1 or not url.strip():
+        for u in urls:
+            if not u.startswith(("http://", "https://")) or len(u) <= len("https://"):
+                raise ConfigError(f"coordinator URL {u!r} (in {url!r}) is not http(s)://HOST:PORT")
+    return urls
+
+
 def error_from_response(resp: httpx.Response) -> CoordinatorError:
     try:
         body = resp.json()
@@ -53,6 +72,13 @@ def error_from_response(resp: httpx.Response) -> CoordinatorError:
         code, detail = "", resp.text[:500]
     cls = _BY_CODE.get(code) or _BY_STATUS.get(resp.status_code) or CoordinatorError
     return cls(detail, code, status=resp.status_code)
+
+
+def _code(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json().get("code", ""))
+    except Exception:
+        return ""
 
 
 def tls_verify(ca_file: Optional[str] = None, verify: bool = True) -> Any:
@@ -93,12 +119,51 @@ class CoordinatorClient:
 
     def __init__(self, url: str, token: Optional[str] = None, *, timeout: float = 30.0,
                  retry_timeout: float = 60.0, verify: bool = True, ca_file: Optional[str] = None) -> None:
-        self.url = url.rstrip("/")
+        #: Every coordinator URL given (a leader named by a redirect is added).
+        self.urls = coordinator_urls(url)
+        #: The coordinator this client talks to now (the leader, once found).
+        self.url = self.urls[0]
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
-                                  verify=tls_verify(ca_file, verify))
+        self._http = httpx.Client(headers=headers, timeout=timeout, verify=tls_verify(ca_file, verify))
         self.retry_timeout = retry_timeout
         self._local = threading.local()
+        self._switch = threading.Lock()
+
+    def _next(self, failed: str) -> bool:
+        """``failed`` did not answer: move to the next URL; True when a round of the
+        list is complete (time to sleep)."""
+        with self._switch:
+            if self.url != failed:  # another thread moved already
+                return False
+            i = self.urls.index(failed) if failed in self.urls else -1
+            self.url = self.urls[(i + 1) % len(self.urls)]
+            return (i + 1) % len(self.urls) == 0
+
+    def _follow(self, resp: httpx.Response, current: str) -> bool:
+        """A follower's answer (307 / 503 ``not_leader``): switch to the leader it names.
+        False when it names none (or itself)."""
+        leader: Optional[str] = None
+        try:
+            leader = resp.json().get("leader")
+        except Exception:
+            pass
+        if not leader and resp.status_code == 307:
+            loc = resp.headers.get("location", "")
+            path = httpx.URL(loc).path
+            leader = loc.split(path, 1)[0] if path and path != "/" else loc
+        if not isinstance(leader, str) or not leader.startswith(("http://", "https://")):
+            return False
+        leader = leader.rstrip("/")
+        if current.startswith("https://") and not leader.startswith("https://"):
+            return False  # never downgrade to plain http on a follower's word
+        with self._switch:
+            if leader == current:
+                return False
+            if leader not in self.urls:
+                self.urls.append(leader)
+            self.url = leader
+        logger.info("coordinator %s is a follower; leader is %s", current, leader)
+        return True
 
     def close(self) -> None:
         self._http.close()
@@ -122,33 +187,60 @@ class CoordinatorClient:
         if cap is not None and cap < deadline:
             deadline, budget = cap, max(0.0, cap - time.monotonic())
         delay = 0.05
+        several = len(self.urls) > 1
+        hops = 0  # redirects followed without an answer (a loop between confused followers)
         while True:
+            url = self.url
+            sleep = True
             try:
                 kw: dict[str, Any] = {"json": json, "params": params}
                 if timeout is not None:
                     kw["timeout"] = timeout
-                resp = self._http.request(method, path, **kw)
+                resp = self._http.request(method, url + path, **kw)
             except httpx.TransportError as e:
                 if _tls_failure(e):  # permanent: retrying cannot help
                     raise CoordinatorUnavailableError(
-                        f"TLS handshake with {self.url} failed ({e}); pass ca_file= / --ca-file or set "
+                        f"TLS handshake with {url} failed ({e}); pass ca_file= / --ca-file or set "
                         "TENSORHUB_CA_FILE to the CA that signed the coordinator's certificate", "tls",
                     ) from None
                 problem: str = f"{type(e).__name__}: {e}"
+                if several:
+                    sleep = self._next(url)
             else:
-                if resp.status_code < 400:
+                if resp.status_code < 300:
                     return resp.json()
-                if resp.status_code < 500:
+                not_leader = resp.status_code == 307 or (
+                    resp.status_code == 503 and resp.headers.get("content-type", "").startswith("application/json")
+                    and _code(resp) == "not_leader")
+                if not_leader:
+                    problem = f"{url} is not the leader"
+                    if hops < 8 and self._follow(resp, url):
+                        hops += 1
+                        continue  # ask the leader at once
+                    if several:
+                        sleep = self._next(url)
+                elif resp.status_code < 500:
                     raise error_from_response(resp)
-                problem = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                else:
+                    problem = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                    if several and resp.status_code == 503:
+                        sleep = self._next(url)
+            if not sleep and time.monotonic() < deadline:
+                continue  # try the next coordinator of this round at once
             if time.monotonic() + delay > deadline:
+                where = f"coordinators {','.join(self.urls)}" if several else f"coordinator {url}"
                 raise CoordinatorUnavailableError(
-                    f"coordinator {self.url} unreachable for {budget:.0f}s ({method} {path}): {problem}",
+                    f"{where} unreachable for {budget:.0f}s ({method} {path}): {problem}",
                     "unavailable",
                 )
             logger.debug("coordinator %s %s failed (%s); retrying in %.2fs", method, path, problem, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            if several:  # several clients after one failover: spread their retries
+                time.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, 0.5)
+            else:
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            hops = 0
 
     def get(self, path: str, **kw: Any) -> Any:
         return self.request("GET", path, **kw)

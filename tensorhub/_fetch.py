@@ -37,6 +37,7 @@ from ._holdings import Held, Holdings, register_regions, unregister_regions
 from ._metrics import Track, hub_metrics
 from ._pipeline import PipelinedReader, PSource
 from ._reader import ShardReader, Source
+from ._retry import jittered, next_delay
 from ._session import Session
 from ._tensors import allocate_like, check_into, coalesce
 from ._wire import LeaseGrant, Manifest
@@ -106,6 +107,7 @@ def acquire_lease(session: Session, model: str, version: int, layout: str, shard
                 "worker_id": session.worker_id, "model": model, "version": version, "layout": layout,
                 "shard": shard, "max_sources": max_sources, "exclude": sorted(excluded)[:1024],
                 "request_id": secrets.token_hex(12),  # a retried request gets the same lease
+                "manifest": False,  # read once by version (Session.manifest), not with every lease
             }
             grant = session.as_worker(lambda api: api.acquire_lease(body))
             if grant.version != version:
@@ -116,8 +118,8 @@ def acquire_lease(session: Session, model: str, version: int, layout: str, shard
         except ConflictError as e:
             if e.code != "no_replica" or time.monotonic() + delay > deadline:
                 raise FetchError(f"cannot fetch {model!r} v{version}: {e.message}") from e
-        time.sleep(delay)
-        delay = min(delay * 2, 1.0)
+        time.sleep(jittered(delay))
+        delay = next_delay(delay)
 
 
 def release_lease(session: Session, lease_id: str) -> bool:
@@ -186,7 +188,7 @@ class PlainSources:
         chunk = min(f.opts.chunk_bytes, max(MIN_CHUNK, spread))
         return ShardReader(f.transport, [s.nbytes for s in manifest.tensors], local, chunk_bytes=chunk,
                            depth=DEPTH, progress_timeout=f.opts.progress_timeout,
-                           checksums=verifier(grant.manifest, out, f.opts.checksum, f.keep))
+                           checksums=verifier(f.manifest, out, f.opts.checksum, f.keep))
 
     def sources(self, grant: Optional[LeaseGrant], excluded: set[str]) -> list[Source]:
         f = self.f
@@ -239,7 +241,8 @@ class PipelinedSources(PlainSources):
         while True:
             body: dict[str, Any] = {"worker_id": f.session.worker_id, "model": f.model, "version": f.version,
                                     "layout": f.layout, "shard": f.shard, "max_sources": f.opts.max_sources,
-                                    "exclude": sorted(excluded)[:1024], "pipelined": True, "lease_id": self.cur}
+                                    "exclude": sorted(excluded)[:1024], "pipelined": True, "lease_id": self.cur,
+                                    "manifest": False}
             if self.cur is None:
                 body["request_id"] = secrets.token_hex(12)  # a retried request gets the same lease
             sent = time.monotonic()
@@ -255,8 +258,8 @@ class PipelinedSources(PlainSources):
                 if not wait:
                     self.no_source = why
                     return None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                time.sleep(jittered(delay))
+                delay = next_delay(delay)
                 continue
             if g.version != f.version:
                 raise FetchError(f"asked for {f.model!r} v{f.version} but the lease is for v{g.version}")
@@ -277,7 +280,7 @@ class PipelinedSources(PlainSources):
         self.r = PipelinedReader(f.transport, [s.nbytes for s in manifest.tensors], local,
                                  chunk_bytes=grant.chunk_bytes, start=grant.start, reverse=grant.reverse,
                                  depth=DEPTH, progress_timeout=f.opts.progress_timeout,
-                                 checksums=verifier(grant.manifest, out, f.opts.checksum))
+                                 checksums=verifier(f.manifest, out, f.opts.checksum))
         return self.r
 
     def started(self, grant: LeaseGrant) -> None:
@@ -421,7 +424,9 @@ class Fetch:
         if self.into is not None:  # refused before asking anyone (no lease, no manifest needed)
             self.holdings.check_not_served(self.into)
         grant = self.policy.first_grant()
-        manifest = grant.manifest
+        #: The whole shard's manifest (final once registered: read once per version and kept).
+        self.manifest = manifest = grant.manifest or self.session.manifest(self.model, self.version,
+                                                                           self.layout, self.shard)
         served = False
         failure: Optional[BaseException] = None
         try:

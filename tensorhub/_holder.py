@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional
 
 from ._exceptions import ConfigError, HubTimeoutError, NotFoundError, RetentionError, TensorHubError
 from ._holdings import Held, Holdings, register_regions, unregister_regions
+from ._retry import jittered, next_delay
 from ._session import Session
 from ._tensors import allocate_like, coalesce, manifest_of
 
@@ -85,8 +86,8 @@ def _withdraw(session: Session, holdings: Holdings, mine: list[Held], model: str
             why = e
         if deadline is not None and time.monotonic() >= deadline:
             raise why
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.25)
+        time.sleep(jittered(delay))
+        delay = next_delay(delay, cap=0.25, factor=1.5)
     _wait_fence(holdings, mine, deadline, model, version)
     transport = session.transport()
     with holdings.lock:

@@ -91,6 +91,10 @@ class CoordinatorMetrics:
         start.set(start_time)
         r.register(_StateCollector(view))
 
+    def track_election(self, election: Any) -> None:
+        """Highly available coordinators (``_election.Election``): its role and counts."""
+        self.registry.register(_ElectionCollector(election))
+
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest
 
@@ -109,6 +113,34 @@ class CoordinatorMetrics:
         self.swaps.labels(model, "ok" if ok else "failed").inc()
         if ok:
             self.swap_stall.labels(model).observe(stall)
+
+
+class _ElectionCollector:
+    """Role, elections and failovers of one coordinator process (read at scrape time)."""
+
+    def __init__(self, election: Any) -> None:
+        self.election = election
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        e = self.election
+        leader = GaugeMetricFamily("tensorhub_coordinator_leader",
+                                   "1 while this coordinator leads, 0 while it follows (etcd store).")
+        leader.add_metric([], 1.0 if e.leading() else 0.0)
+        won = CounterMetricFamily("tensorhub_coordinator_elections",
+                                  "Elections this coordinator process won.")
+        won.add_metric([], e.won)
+        lost = CounterMetricFamily("tensorhub_coordinator_step_downs",
+                                   "Times this coordinator stepped down (lease lapsed, commit refused, stop).")
+        lost.add_metric([], e.lost)
+        changes = CounterMetricFamily("tensorhub_coordinator_failovers",
+                                      "Leader changes this coordinator process saw (including its own elections).")
+        changes.add_metric([], e.changes)
+        yield from (leader, won, lost, changes)
 
 
 class _StateCollector:

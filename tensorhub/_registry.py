@@ -118,6 +118,8 @@ class Registry:
         self._replicas_of_shard: dict[ShardKey, dict[str, None]] = {}
         self._replicas_of_worker: dict[str, dict[str, None]] = {}
         self._replicas_of_version: dict[tuple[str, int], dict[str, None]] = {}
+        self._tombstones_of_version: dict[tuple[str, int], dict[str, None]] = {}
+        self._leases_of_version: dict[tuple[str, int], dict[str, None]] = {}
         self._tombstones_of_shard: dict[ShardKey, dict[str, None]] = {}
         self._tombstones_of_worker: dict[str, dict[str, None]] = {}
         self._leases_of_shard: dict[ShardKey, dict[str, None]] = {}
@@ -154,11 +156,13 @@ class Registry:
         self.tombstones[r.replica_id] = r
         _add(self._tombstones_of_shard, r.key, r.replica_id)
         _add(self._tombstones_of_worker, r.worker_id, r.replica_id)
+        _add(self._tombstones_of_version, (r.model, r.version), r.replica_id)
 
     def drop_tombstone(self, rid: str) -> None:
         r = self.tombstones.pop(rid)
         _discard(self._tombstones_of_shard, r.key, rid)
         _discard(self._tombstones_of_worker, r.worker_id, rid)
+        _discard(self._tombstones_of_version, (r.model, r.version), rid)
 
     def tombstones_of_shard(self, key: ShardKey) -> list[Replica]:
         return [self.tombstones[rid] for rid in self._tombstones_of_shard.get(key, ())]
@@ -171,6 +175,7 @@ class Registry:
         self.leases[l.lease_id] = l
         _add(self._leases_of_shard, l.key, l.lease_id)
         _add(self._leases_of_worker, l.worker_id, l.lease_id)
+        _add(self._leases_of_version, (l.model, l.version), l.lease_id)
         for rid in l.replica_ids:
             _add(self._leases_naming, rid, l.lease_id)
 
@@ -186,6 +191,7 @@ class Registry:
             return None
         _discard(self._leases_of_shard, l.key, lid)
         _discard(self._leases_of_worker, l.worker_id, lid)
+        _discard(self._leases_of_version, (l.model, l.version), lid)
         for rid in l.replica_ids:
             _discard(self._leases_naming, rid, lid)
         return l
@@ -208,6 +214,13 @@ class Registry:
     def leased(self, rid: str, now: float) -> bool:
         """Does an unlapsed lease name replica ``rid``?"""
         return any(self.leases[lid].expires >= now for lid in self._leases_naming.get(rid, ()))
+
+    def in_use(self, model: str, version: int) -> bool:
+        """Does anything still name the version: a replica (partial, draining or not), a
+        tombstone, or a lease (lapsed ones too, until they are forgotten)?"""
+        key = (model, version)
+        return key in self._replicas_of_version or key in self._tombstones_of_version \
+            or key in self._leases_of_version
 
     def open_leases(self, now: float, rids: Iterable[str]) -> int:
         """How many unlapsed leases name any of ``rids``."""

@@ -14,8 +14,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import random
 import threading
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 from urllib.parse import urlparse
 
@@ -24,7 +26,7 @@ from ._client import CoordinatorClient
 from ._exceptions import HubClosedError, NotFoundError, TensorHubError
 from ._holdings import Held, Holdings, unregister_regions
 from ._metrics import FetchProgress, Outbox, hub_metrics
-from ._wire import HeartbeatAnswer
+from ._wire import HeartbeatAnswer, Manifest
 from .transport import Transport, create_transport
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,10 +38,14 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
+#: Manifests a Hub keeps (a 50,000-tensor manifest is a few MB of Python objects).
+MANIFESTS_KEPT = 32
+
 
 def data_host(coordinator_url: str) -> str:
     """The address our data plane advertises: loopback if the coordinator is, else the
-    local address of the route towards it (no packet is sent)."""
+    local address of the route towards it (no packet is sent). With several coordinator
+    URLs the caller passes the first."""
     host = urlparse(coordinator_url).hostname or "127.0.0.1"
     try:
         if ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
@@ -73,6 +79,9 @@ class Session:
         self._stop = threading.Event()
         self._hb: Optional[threading.Thread] = None
         self._outbox = Outbox(self)
+        #: Manifests read, by (model, version, layout, shard), least recently used first.
+        self._manifests: "OrderedDict[tuple, Manifest]" = OrderedDict()
+        self._manifests_lock = threading.Lock()
         #: (epoch, served leases, served bytes) last answered on a heartbeat.
         self._served_seen: tuple[Optional[str], int, int] = (None, 0, 0)
 
@@ -103,6 +112,22 @@ class Session:
             raise HubClosedError("Hub is not connected; use tensorhub.connect(url)")
         return self._api
 
+    def manifest(self, model: str, version: int, layout: str, shard: int) -> Manifest:
+        """A shard's manifest, read once and kept (the first one registered is final, so a
+        kept one is never stale): leases do not carry it."""
+        key = (model, version, layout, shard)
+        with self._manifests_lock:
+            hit = self._manifests.get(key)
+            if hit is not None:
+                self._manifests.move_to_end(key)
+                return hit
+        m = self.api.manifest(model, version, layout, shard)
+        with self._manifests_lock:
+            self._manifests[key] = m
+            while len(self._manifests) > MANIFESTS_KEPT:
+                self._manifests.popitem(last=False)
+        return m
+
     @property
     def transport_started(self) -> bool:
         return self._transport_started
@@ -111,7 +136,7 @@ class Session:
         """The data plane, started (and its endpoint registered) on first use."""
         with self.holdings.lock:
             if self._transport is None:
-                host = envs.TENSORHUB_DATA_HOST or data_host(self.url)
+                host = envs.TENSORHUB_DATA_HOST or data_host(self.url.split(",")[0])
                 self._transport = create_transport(host=host, progress_timeout=self.progress_timeout)
                 self._transport = samehost.wrap(self._transport, self)  # same-host reads (issue #14)
             if not self._transport_started:
@@ -171,7 +196,8 @@ class Session:
 
     # ------------------------------------------------------------------ heartbeat, telemetry
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_interval):
+        # Jittered: after a coordinator restart a fleet does not heartbeat in step.
+        while not self._stop.wait(self.heartbeat_interval * (0.9 + 0.2 * random.random())):
             try:
                 r = self.api.heartbeat(self.worker_id, retry_timeout=self.heartbeat_interval)
                 self._count_served(r)

@@ -87,6 +87,8 @@ _ = (ALLOCATIONS_KEPT, LayoutInfo, ModelInfo, VersionInfo, Lease, Replica, Worke
 
 #: Most running fetches the live table keeps (more are not shown, still counted at the end).
 MAX_LIVE_FETCHES = 10_000
+#: Most versions one retention pass retires (the rest on the next tick).
+RETIRE_PER_TICK = 8
 #: ``locality_cost`` -> the ``distance`` label of fetched bytes.
 DISTANCES = ("same_host", "same_zone", "same_datacenter", "other_datacenter")
 
@@ -106,6 +108,11 @@ class StateConfig:
     #: Source-choice policy (``_planner.POLICIES``): ``topology``, or the benchmarks'
     #: ``single-source`` baseline.
     policy: str = "topology"
+    #: Retention of metadata: a model keeps the manifests of its newest ``keep_versions``
+    #: complete versions, of any newer version still being published, and of every version
+    #: something still holds, reads or was told to read (a group's answer); older ones are
+    #: retired (their numbers are never handed out again).
+    keep_versions: int = 16
     #: A gap with no call at all longer than this (the coordinator was paused, e.g.
     #: SIGSTOP, or starved) gives every worker a fresh ``worker_ttl`` instead of expiring
     #: them all at once. None: ``worker_ttl / 2`` (the shell ticks every second or faster).
@@ -263,7 +270,32 @@ class CoordinatorState:
             del self.seeders[key]
         for key in [k for k, (_, at) in self.fetching.items() if now > at + FETCH_STALE]:
             del self.fetching[key]
+        self.retire(now)
         return dead
+
+    def retire(self, now: float) -> list[tuple[str, int]]:
+        """Retention of metadata (``StateConfig.keep_versions``): retire the versions no
+        one needs any more. Not inside a restart's re-registration window (holders have
+        not told this incarnation what they hold yet). Returns what was retired."""
+        now = self._now(now)
+        keep = max(1, self.config.keep_versions)
+        if self.restored and now <= self.boot_time + self.config.lease_ttl:
+            return []
+        asked = {(m, v) for (m, _), (v, exp) in self.groups.items() if now <= exp}
+        gone: list[tuple[str, int]] = []
+        for name, m in self.models.items():
+            if len(m.versions) <= keep or m.newest is None:
+                continue
+            complete = sorted((v for v, vi in m.versions.items() if vi.complete), reverse=True)
+            kept = set(complete[:keep])
+            for v in sorted(m.versions):
+                if len(gone) >= RETIRE_PER_TICK:
+                    return gone  # the rest on the next tick: one commit stays small (etcd's txn limit)
+                if v > m.newest or v in kept or (name, v) in asked or self.registry.in_use(name, v):
+                    continue
+                self.catalog.retire(name, v)
+                gone.append((name, v))
+        return gone
 
     # ----------------------------------------------------------------- versions
     def manifest(self, model: str, version: int, layout: str, shard: int) -> Manifest:
@@ -523,7 +555,7 @@ class CoordinatorState:
             layout=req.layout,
             shard=req.shard,
             num_shards=li.num_shards,
-            manifest=li.manifests[req.shard],
+            manifest=li.manifests[req.shard] if req.manifest and refresh is None else None,
             replicas=[
                 ReplicaInfo(
                     replica_id=r.replica_id, worker_id=w.worker_id, endpoint=w.endpoint,

@@ -109,6 +109,9 @@ class SqliteStore:
                     )
                 elif table == "allocation":
                     db.execute("INSERT OR IGNORE INTO allocations VALUES (?, ?, ?)", (*key, value))
+                elif table == "retire":
+                    for t in ("manifests", "layouts", "versions"):
+                        db.execute(f"DELETE FROM {t} WHERE model=? AND version=?", key)
                 elif table == "allocation_floor":
                     db.execute("DELETE FROM allocations WHERE model=? AND version<=?", (*key, value))
                 else:  # pragma: no cover - programming error

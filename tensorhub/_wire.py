@@ -229,6 +229,9 @@ class AcquireLease(_Model):
     lease_id: Optional[Ident] = None
     #: Client-chosen id of this request: a retry with the same id gets the same lease.
     request_id: Optional[Ident] = None
+    #: Answer the shard's manifest in the grant. Readers that keep manifests by version
+    #: (final once registered: ``GET .../manifest``) send false; refreshes never carry it.
+    manifest: bool = True
 
 
 class ReportChunks(_Model):
@@ -312,7 +315,8 @@ class LeaseGrant(_Model):
     layout: str
     shard: int
     num_shards: int
-    manifest: Manifest
+    #: The shard's manifest: only on a new lease asked with ``manifest`` true.
+    manifest: Optional[Manifest] = None
     replicas: list[ReplicaInfo]
     ttl: float
     #: Pipelined leases: the shard's chunk grid, where in the chunk order this reader

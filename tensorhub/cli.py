@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence, TextIO
 
-from ._exceptions import TensorHubError
+from ._exceptions import ConfigError, TensorHubError
 from .config import HubConfig, read_token
 from .follow import ProgressLine
 
@@ -23,13 +23,18 @@ def _coordinator(args: argparse.Namespace) -> int:
     from .coordinator import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = StateConfig(lease_ttl=args.lease_ttl, worker_ttl=args.worker_ttl, policy=args.planner)
+    if args.keep_versions < 1:
+        raise ConfigError(f"--keep-versions must be >= 1, got {args.keep_versions}")
+    config = StateConfig(lease_ttl=args.lease_ttl, worker_ttl=args.worker_ttl, policy=args.planner,
+                         keep_versions=args.keep_versions)
 
     def ready(url: str) -> None:
         print(f"tensorhub coordinator serving on {url}", flush=True)
 
     serve(args.host, args.port, args.state_dir, token=read_token(args.token_file), config=config,
-          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, on_ready=ready)
+          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, on_ready=ready,
+          store=args.store, advertise_url=args.advertise_url, election_ttl=args.election_ttl,
+          etcd_ca_file=args.etcd_ca_file, etcd_cert_file=args.etcd_cert_file, etcd_key_file=args.etcd_key_file)
     return 0
 
 
@@ -49,6 +54,9 @@ def _table(rows: list[list[str]]) -> list[str]:
 def format_status(st: dict) -> str:
     """A readable table of models, versions, replicas and open leases."""
     out = [f"coordinator epoch {st['epoch']}, {len(st['workers'])} worker(s)"]
+    ha = st.get("coordinators")
+    if ha:  # highly available coordinators (etcd store)
+        out.append(f"leader {ha['leader']}; followers: {', '.join(ha['followers']) or 'none'}")
     if not st["models"]:
         out.append("no models yet")
     for m in st["models"]:
@@ -171,20 +179,33 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("coordinator", help="run the coordinator service")
     c.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     c.add_argument("--port", type=int, default=0, help="port (0 picks a free one; the URL is printed)")
-    c.add_argument("--state-dir", required=True, help="directory of the durable SQLite state")
+    c.add_argument("--state-dir", help="directory of the durable SQLite state (needed with the default store)")
+    c.add_argument("--store", default="sqlite",
+                   help="durable store: sqlite (default, a file in --state-dir) or etcd://HOST:PORT[,HOST:PORT...]"
+                        "[/PREFIX] (etcds:// for TLS): several coordinators, one leader (docs: operations/ha)")
+    c.add_argument("--advertise-url", help="etcd store: the URL clients reach this coordinator at "
+                                           "(default: the URL it serves on)")
+    c.add_argument("--election-ttl", type=float, default=2.0,
+                   help="etcd store: seconds of the leader's etcd lease (whole seconds, >= 2); bounds failover")
+    c.add_argument("--etcd-ca-file", help="etcd store: CA that signed etcd's certificate (etcds://)")
+    c.add_argument("--etcd-cert-file", help="etcd store: client certificate for etcd (--client-cert-auth)")
+    c.add_argument("--etcd-key-file", help="etcd store: private key of --etcd-cert-file")
     c.add_argument("--token-file", help="file holding the API token; every endpoint but /healthz needs it")
     c.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a read lease lasts unrenewed")
     c.add_argument("--planner", choices=["topology", "single-source"], default="topology",
                    help="source choice: topology-aware (default), or the benchmarks' single-source baseline")
     c.add_argument("--worker-ttl", type=float, default=10.0,
                    help="seconds without heartbeat after which a worker's replicas are dropped")
+    c.add_argument("--keep-versions", type=int, default=16,
+                   help="retention: manifests kept per model beyond what is still held (newest complete)")
     c.add_argument("--ssl-certfile", help="serve HTTPS with this certificate")
     c.add_argument("--ssl-keyfile", help="private key for --ssl-certfile")
     c.add_argument("--log-level", default="info")
     c.set_defaults(fn=_coordinator)
 
     s = sub.add_parser("status", help="show models, versions, replicas and leases")
-    s.add_argument("--coordinator", help="coordinator URL (default: $TENSORHUB_COORDINATOR)")
+    s.add_argument("--coordinator", help="coordinator URL, or several comma-separated "
+                                          "(default: $TENSORHUB_COORDINATOR)")
     s.add_argument("--token-file", help="file holding the API token (default: $TENSORHUB_TOKEN)")
     s.add_argument("--ca-file", help="CA (or self-signed certificate, PEM) of an https coordinator "
                    "(default: $TENSORHUB_CA_FILE, else the system's CAs)")

@@ -86,7 +86,7 @@ class HubConfig:
     """What a Hub needs to know, resolved and checked. Build it with :meth:`resolve`;
     change it with :meth:`replace` (checked again)."""
 
-    #: Coordinator URL.
+    #: Coordinator URL; several highly available coordinators comma-separated.
     coordinator: str
     #: This worker's id (default ``<hostname>-<pid>-<random>``).
     worker_id: str

@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from ._exceptions import (
-    ConflictError, CoordinatorError, InvalidRequestError, NotFoundError, UnauthorizedError,
+    ConfigError, ConflictError, CoordinatorError, InvalidRequestError, NotFoundError, UnauthorizedError,
 )
 from ._catalog import Catalog
 from ._metrics import CoordinatorMetrics
@@ -76,43 +77,128 @@ def _version() -> Any:
     return PathParam(ge=1, le=MAX_VERSION)
 
 
-class Coordinator:
-    """State machine + durable store + lock + clock: what the HTTP routes call."""
+class _Watch:
+    """Waiters for a model's next complete version, woken by the publish that completes
+    it (no polling). Waiters live on the server's event loop; ``notify`` may be called from
+    any thread."""
 
-    def __init__(self, state_dir: str | os.PathLike, config: StateConfig = StateConfig(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self) -> None:
+        self._waiters: dict[str, set[asyncio.Future]] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def register(self, model: str) -> asyncio.Future:
+        """Register before reading the state (a version completing in between wakes it)."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        fut = loop.create_future()
+        self._waiters.setdefault(model, set()).add(fut)
+        return fut
+
+    def forget(self, model: str, fut: asyncio.Future) -> None:
+        ws = self._waiters.get(model)
+        if ws is not None:
+            ws.discard(fut)
+            if not ws:
+                del self._waiters[model]
+
+    def notify(self, models: set[str]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, models)
+
+    def _wake(self, models: set[str]) -> None:
+        for m in models:
+            for fut in self._waiters.pop(m, ()):
+                if not fut.done():
+                    fut.set_result(None)
+
+
+class Coordinator:
+    """State machine + durable store + lock + clock: what the HTTP routes call.
+
+    With an ``election`` (highly available coordinators on etcd, ``_election``) the state
+    is built when this process is elected (from the store, as after a restart: a new
+    epoch) and every call first checks that it still leads; a commit etcd refuses makes
+    it step down, and the request is answered ``not_leader``, never as if it were durable."""
+
+    def __init__(self, state_dir: Optional[str | os.PathLike], config: StateConfig = StateConfig(),
+                 clock: Callable[[], float] = time.monotonic, *, store: Any = None, election: Any = None) -> None:
         self.clock = clock
         self.config = config
-        self.store = SqliteStore(state_dir)
+        self.store = SqliteStore(state_dir) if store is None else store
         self.store.open()
         self.lock = threading.Lock()
-        self.state = CoordinatorState.restore(self.store.load(), config, now=clock())
-        self.metrics = CoordinatorMetrics(lambda: self.read(lambda: self.state.metrics_view(self.clock())),
-                                          start_time=time.time())
-        logger.info(
-            "coordinator epoch %s on %s (%d models restored)",
-            self.state.epoch, self.store.path, len(self.state.models),
-        )
+        #: ``latest?wait=`` requests, woken when their model's newest version changes.
+        self.watch = _Watch()
+        self.election = election
+        #: An elected coordinator whose state is loaded (always True without an election).
+        self.serving = election is None
+        self.state = CoordinatorState.restore(self.store.load() if election is None else [], config, now=clock())
+        self.metrics = CoordinatorMetrics(lambda: self.read(lambda: self.state.metrics_view(self.clock()),
+                                                            check=False), start_time=time.time())
+        if election is not None:
+            election.on_elected, election.on_deposed = self._elected, self._deposed
+            self.metrics.track_election(election)
+        else:
+            logger.info(
+                "coordinator epoch %s on %s (%d models restored)",
+                self.state.epoch, self.store.path, len(self.state.models),
+            )
+
+    # ------------------------------------------------------------- leadership (HA)
+    def leading(self) -> bool:
+        """May this process answer requests now? (Always, without an election.)"""
+        return self.election is None or (self.serving and self.election.leading())
+
+    def leader_url(self) -> Optional[str]:
+        return None if self.election is None else self.election.leader_url()
+
+    def _check_leader(self) -> None:
+        if not self.leading():
+            raise CoordinatorError("this coordinator is not the leader", NOT_LEADER, status=503)
+
+    def _elected(self, fence: int) -> None:
+        with self.lock:
+            self.state = CoordinatorState.restore(self.store.load(), self.config, now=self.clock())
+            self.serving = True
+        logger.warning("coordinator epoch %s leads on %s (%d models restored)",
+                       self.state.epoch, self.store.path, len(self.state.models))
+
+    def _deposed(self, why: str) -> None:
+        self.serving = False  # no lock: resign() may run under it; the state is rebuilt when elected
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run one state-machine method and commit its durable writes before returning."""
         with self.lock:
+            self._check_leader()
             try:
                 result = fn(self.clock(), *args)
             finally:
+                completed = self.state.catalog.take_completed()
+                if completed:
+                    self.watch.notify(completed)
                 writes = self.state.take_writes()
                 if writes:
                     try:
                         self.store.commit(writes)
-                    except Exception:
+                    except Exception as e:
+                        if self.election is not None:
+                            # Refused (deposed) or unknown outcome: never answer it; whoever
+                            # leads next rebuilds from etcd.
+                            logger.warning("store commit failed (%s); stepping down", e)
+                            self.serving = False
+                            self.election.resign(f"commit failed: {e}")
+                            raise CoordinatorError(f"not committed, stepped down: {e}", NOT_LEADER, status=503) from None
                         # Memory ran ahead of disk: rebuild the durable part from disk.
                         logger.exception("store commit failed; reloading durable state")
                         self._reload()
                         raise
             return result
 
-    def read(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def read(self, fn: Callable[..., Any], *args: Any, check: bool = True) -> Any:
         with self.lock:
+            if check:
+                self._check_leader()
             return fn(*args)
 
     def _reload(self) -> None:
@@ -121,13 +207,51 @@ class Coordinator:
         self.state.catalog = Catalog.restore(self.store.load())
 
     def expire(self) -> None:
-        with self.lock:
-            dead = self.state.expire(self.clock())
+        """The periodic tick: dead workers, lapsed leases, retention (its writes committed)."""
+        if not self.leading():
+            return
+        dead = self.call(lambda now: self.state.expire(now))
         for wid in dead:
             logger.warning("worker %s stopped heart-beating; its replicas were dropped", wid)
 
     def close(self) -> None:
+        if self.election is not None:
+            self.election.stop()
         self.store.close()
+
+
+#: The ``code`` of answers from a coordinator that does not lead (HA on etcd): 307 with
+#: ``Location`` (and ``leader`` in the body) when it knows the leader, else 503.
+NOT_LEADER = "not_leader"
+
+
+def _not_leader(coord: "Coordinator", scope: Any) -> JSONResponse:
+    """A follower's answer: 307 to the same path on the leader, or 503 while none is known.
+    Clients (``_client``) switch to the leader; ``curl -L`` follows it too."""
+    leader = coord.leader_url()
+    body = {"code": NOT_LEADER, "detail": "this coordinator is not the leader", "leader": leader}
+    if leader is None:
+        body["detail"] += "; no leader elected yet, retry"
+        return JSONResponse(body, 503, headers={"Retry-After": "1"})
+    qs = scope.get("query_string", b"")
+    loc = leader + scope["path"] + (("?" + qs.decode("latin-1")) if qs else "")
+    return JSONResponse(body, 307, headers={"Location": loc})
+
+
+class _LeaderGate:
+    """HA: a coordinator that does not lead answers every route but ``OPEN`` with
+    ``_not_leader`` (``/healthz`` and ``/metrics`` answer on every coordinator). Sits inside
+    ``_Guard``: unauthenticated requests learn nothing, not even who leads."""
+
+    OPEN = ("/healthz", "/metrics", "/openapi.json", "/docs", "/redoc")
+
+    def __init__(self, app: Any, coord: "Coordinator") -> None:
+        self.app, self.coord = app, coord
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and not self.coord.leading() and scope["path"] not in self.OPEN:
+            return await _not_leader(self.coord, scope)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 #: Request bodies above this size are parsed one at a time (see ``_Guard``).
@@ -199,7 +323,7 @@ class _FastHeartbeat:
             w = self.coord.call(lambda now: self.coord.state.heartbeat(now, wid))
             resp = JSONResponse(_heartbeat_answer(self.coord, w))
         except CoordinatorError as e:
-            resp = error_response(e)
+            resp = _not_leader(self.coord, scope) if e.code == NOT_LEADER else error_response(e)
         await resp(scope, receive, send)
 
 
@@ -239,10 +363,14 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     expected = f"Bearer {token}".encode() if token else None
 
     app.add_middleware(_FastHeartbeat, coord=coord)
+    if coord.election is not None:
+        app.add_middleware(_LeaderGate, coord=coord)
     app.add_middleware(_Guard, expected=expected)  # added last: outermost
 
     @app.exception_handler(CoordinatorError)
     async def _coordinator_error(request: Request, exc: CoordinatorError) -> JSONResponse:
+        if exc.code == NOT_LEADER:
+            return _not_leader(coord, request.scope)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -259,7 +387,14 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"ok": True, "epoch": coord.state.epoch}
+        """Liveness, and the role: ``leader`` (always, on SQLite) or ``follower`` with the
+        leader's URL (``null`` while an election runs)."""
+        if coord.election is None:
+            return {"ok": True, "epoch": coord.state.epoch, "role": "leader", "leader": None}
+        leading = coord.leading()
+        return {"ok": True, "epoch": coord.state.epoch if leading else None,
+                "role": "leader" if leading else "follower", "leader": coord.leader_url(),
+                "url": coord.election.url}
 
     @app.get("/v1/info")
     async def info() -> dict:
@@ -304,10 +439,17 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
         to that many seconds until a version newer than ``newer_than`` is complete."""
         deadline = time.monotonic() + wait
         while True:
-            v = coord.read(lambda: st().latest(model, newer_than))
-            if v is not None or time.monotonic() >= deadline:
-                return {"version": v}
-            await asyncio.sleep(0.05)
+            woken = coord.watch.register(model)  # before reading: a publish in between wakes it
+            try:
+                v = coord.read(lambda: st().latest(model, newer_than))
+                left = deadline - time.monotonic()
+                if v is not None or left <= 0:
+                    return {"version": v}
+                await asyncio.wait_for(woken, left)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                coord.watch.forget(model, woken)
 
     @app.post("/v1/models/{model}/resolve")
     async def resolve(model: str = _model(), req: Resolve = Body(default=Resolve())) -> dict:
@@ -377,7 +519,15 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
 
     @app.get("/v1/status")
     def status() -> dict:
-        return coord.read(lambda: st().status(coord.clock()))
+        out = coord.read(lambda: st().status(coord.clock()))
+        if coord.election is not None:
+            me = coord.election.url
+            try:
+                members = coord.election.members()
+            except Exception:  # etcd briefly unreachable: still answer what this one knows
+                members = [me]
+            out["coordinators"] = {"leader": me, "followers": [u for u in members if u != me]}
+        return out
 
     @app.post("/v1/fetches")
     async def fetch_report(req: FetchReport) -> dict:
@@ -435,11 +585,12 @@ class _Server:
     """uvicorn on a pre-bound socket, plus the expiry ticker."""
 
     def __init__(self, coord: Coordinator, host: str, port: int, token: Optional[str],
-                 ssl_certfile: Optional[str] = None, ssl_keyfile: Optional[str] = None) -> None:
+                 ssl_certfile: Optional[str] = None, ssl_keyfile: Optional[str] = None,
+                 sock: Optional[socket.socket] = None) -> None:
         import uvicorn
 
         self.coord = coord
-        self.sock = _bind(host, port)
+        self.sock = _bind(host, port) if sock is None else sock
         self.url = _url(host, self.sock, ssl_certfile is not None)
         cfg = uvicorn.Config(
             create_app(coord, token), log_level="warning", access_log=False,
@@ -465,12 +616,48 @@ class _Server:
             self._stop.set()
 
 
-def serve(host: str, port: int, state_dir: str | os.PathLike, *, token: Optional[str] = None,
+def ha_coordinator(store_url: str, advertise_url: str, config: StateConfig = StateConfig(), *,
+                   election_ttl: float = 2.0, etcd_ca_file: Optional[str] = None,
+                   etcd_cert_file: Optional[str] = None, etcd_key_file: Optional[str] = None) -> Coordinator:
+    """A coordinator on etcd (``--store etcd://...``) that leads only when elected.
+    Raises ``ConfigError`` for a malformed URL, ``EtcdUnavailable`` when no member answers."""
+    from ._election import Election
+    from ._store_etcd import EtcdStore
+
+    tls = dict(ca_file=etcd_ca_file, cert_file=etcd_cert_file, key_file=etcd_key_file)
+    store = EtcdStore(store_url, **tls)
+    store.open()
+    election = Election(store.etcd, store.prefix, advertise_url.rstrip("/"), ttl=election_ttl)
+    store.fence = election.fence
+    coord = Coordinator(None, config, store=store, election=election)
+    election.start()
+    return coord
+
+
+def serve(host: str, port: int, state_dir: Optional[str | os.PathLike], *, token: Optional[str] = None,
           config: StateConfig = StateConfig(), ssl_certfile: Optional[str] = None,
-          ssl_keyfile: Optional[str] = None, on_ready: Callable[[str], None] = print) -> None:
-    """Run the coordinator in the foreground until SIGINT/SIGTERM."""
-    coord = Coordinator(state_dir, config)
-    srv = _Server(coord, host, port, token, ssl_certfile, ssl_keyfile)
+          ssl_keyfile: Optional[str] = None, on_ready: Callable[[str], None] = print,
+          store: Optional[str] = None, advertise_url: Optional[str] = None, election_ttl: float = 2.0,
+          etcd_ca_file: Optional[str] = None, etcd_cert_file: Optional[str] = None,
+          etcd_key_file: Optional[str] = None) -> None:
+    """Run the coordinator in the foreground until SIGINT/SIGTERM.
+
+    ``store``: ``None``/``"sqlite"`` (a file in ``state_dir``) or ``etcd://h:p[,h:p...]``
+    (highly available: one of several coordinators leads; ``advertise_url`` is how
+    clients reach this one, default the URL it serves on)."""
+    if store is None or store == "sqlite":
+        if state_dir is None:
+            raise ConfigError("the SQLite store needs --state-dir")
+        coord = Coordinator(state_dir, config)
+        srv = _Server(coord, host, port, token, ssl_certfile, ssl_keyfile)
+    else:
+        sock = _bind(host, port)
+        url = advertise_url or _url(host, sock, ssl_certfile is not None)
+        if advertise_url is None and host in ("0.0.0.0", "::", ""):
+            raise ConfigError(f"listening on {host!r}: pass --advertise-url (the URL clients reach this one at)")
+        coord = ha_coordinator(store, url, config, election_ttl=election_ttl, etcd_ca_file=etcd_ca_file,
+                               etcd_cert_file=etcd_cert_file, etcd_key_file=etcd_key_file)
+        srv = _Server(coord, host, port, token, ssl_certfile, ssl_keyfile, sock=sock)
     # This process is ours: keep what exists now (modules, the app, restored state) out of
     # the cycle collector's scans, and collect young objects less often. Full collections
     # otherwise stall every request for 20-80 ms every few seconds under load.
@@ -482,6 +669,13 @@ def serve(host: str, port: int, state_dir: str | os.PathLike, *, token: Optional
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
+    if coord.election is not None:
+        # uvicorn re-raises SIGTERM once it has shut down; with the default handler the process
+        # would die before ``close()`` revokes the leader's lease (a follower would then wait
+        # out the ttl instead of taking over at once). Exit through ``finally`` instead.
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     on_ready(srv.url)
     try:
         srv.run()

@@ -59,7 +59,8 @@ def _int(name: str, default: int) -> Callable[[], int]:
 ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "TENSORHUB_COORDINATOR": (
         _str("TENSORHUB_COORDINATOR", None),
-        "Coordinator URL used when none is passed (e.g. http://10.0.0.5:7777).",
+        "Coordinator URL used when none is passed (e.g. http://10.0.0.5:7777); several "
+        "highly available coordinators comma-separated (http://c1:7777,http://c2:7777).",
     ),
     "TENSORHUB_TOKEN": (
         _str("TENSORHUB_TOKEN", None),

@@ -34,6 +34,7 @@ from . import _holder, _tensors
 from ._client import CoordinatorClient
 from ._exceptions import ConfigError, HubClosedError, NotFoundError, HubTimeoutError, TensorHubError
 from ._fencing import LeaseClock, Quarantine
+from ._retry import jittered
 from ._fetch import RELEASE_GRACE as _RELEASE_GRACE, Fetch, FetchOptions, Fetched, acquire_lease, copy_held
 from ._fetch import QUARANTINE as _QUARANTINE, release_checked, release_lease  # noqa: F401 (tests use _QUARANTINE)
 from ._holdings import Holdings
@@ -200,7 +201,7 @@ class Hub:
                 v = self.api.latest(model, newer_than=newer_than, wait=wait, timeout=wait + 30)
             except NotFoundError:
                 v = None
-                time.sleep(min(0.2, left))
+                time.sleep(jittered(min(0.2, left)))
             if v is not None:
                 return v
             if deadline is not None and time.monotonic() >= deadline:
@@ -302,12 +303,28 @@ class Hub:
         return sorted(h.key for h in self._holdings.all())
 
     # ------------------------------------------------------------------ leases, for the few callers that need one
+    def lease(self, model: str, version: int, *, layout: str = "hf", shard: int = 0,
+              exclude: Iterable[str] = (), timeout: float = 10.0) -> LeaseGrant:
+        """A read lease on one shard, for callers that hand its replicas to a reader
+        outside TensorHub (the SGLang seed): the holders it names keep those bytes until
+        :meth:`release` (or the lease lapses: renew it with ``hub.api.renew_lease``).
+        Waits up to ``timeout`` while no replica is serving. The grant carries the
+        shard's manifest."""
+        self._check_open()
+        return self._acquire(model, version, layout, shard, set(exclude), time.monotonic() + timeout)
+
+    def release(self, lease_id: str) -> bool:
+        """Release a lease from :meth:`lease`; True if it stayed valid throughout."""
+        self._check_open()
+        return self._release(lease_id)
+
     def _acquire(self, model: str, version: int, layout: str, shard: int, excluded: set[str],
                  deadline: float, clock: Optional[LeaseClock] = None) -> LeaseGrant:
-        """A lease on the shard (waits until ``deadline`` while no replica is serving); the
-        SGLang seed hands its replicas to readers under it. Release with :meth:`_release`."""
-        return acquire_lease(self._session, model, version, layout, shard, excluded, deadline, clock,
-                             self.max_sources)
+        grant = acquire_lease(self._session, model, version, layout, shard, excluded, deadline, clock,
+                              self.max_sources)
+        if grant.manifest is None:
+            grant = grant.model_copy(update={"manifest": self._session.manifest(model, version, layout, shard)})
+        return grant
 
     def _release(self, lease_id: str) -> bool:
         return release_lease(self._session, lease_id)
@@ -335,7 +352,9 @@ def connect(url: Optional[str] = None, *, worker_id: Optional[str] = None,
             locality: Optional[Locality | str | Mapping[str, str]] = None, token: Optional[str] = None,
             config: Optional[HubConfig] = None, transport: Optional[Transport] = None, **options: Any) -> Hub:
     """Connect to the coordinator at ``url`` (default: ``TENSORHUB_COORDINATOR``); or with
-    a resolved ``config`` (:class:`~tensorhub.config.HubConfig`)."""
+    a resolved ``config`` (:class:`~tensorhub.config.HubConfig`). Several highly available
+    coordinators are given comma-separated (``"http://c1:7777,http://c2:7777"``): the Hub
+    follows the leader and fails over by itself."""
     if config is None:
         config = HubConfig.resolve(url, worker_id=worker_id, locality=locality, token=token, **options)
     elif url is not None or worker_id is not None or locality is not None or token is not None or options:

@@ -36,3 +36,31 @@ def test_coordinator_answers_everything_under_a_short_load():
     assert k["heartbeat"]["ok"] == out["sent"]["heartbeat"] > 0
     assert k["acquire"]["ok"] == k["release"]["ok"] == out["sent"]["lease"] > 0
     assert out["bytes_per_replica"] > 0
+
+
+def test_fleet_mode_bookkeeping():
+    """Fleet mode, shortened: every simulated pipelined reader completes each phase's
+    version, its calls are counted by route, nothing answers an HTTP error."""
+    bench = _bench()
+    readers = 12
+    out = bench.run_fleet(workers=300, readers=readers, tensors=300, chunks=(64, 128), history=(2, 6),
+                          history_tensors=4, heartbeat=1.0, link_gbps=10.0, connections=8, idle_seconds=0.5)
+    print(bench.report_fleet(out))
+    assert out["errors"] == 0, out
+    assert out["coordinator_alive"] and out["alive_after"]
+    assert list(out["phases"]) == ["base", "chunks", "history"]
+    for name, ph in out["phases"].items():
+        assert ph["completed"] == readers, (name, ph)
+        c = ph["calls"]
+        once = ("POST resolve", "POST leases (new)", "GET manifest", "POST replicas (partial)",
+                "POST replicas (complete)", "POST fetches (ok)")
+        for route in once:  # one each per reader and version, as PipelinedSources does
+            assert c[route] == readers, (name, route, c)
+        assert c["POST versions"] == 2 * readers  # Session.register_replica allocates first, twice
+        assert c["POST release"] >= readers
+        assert c["POST chunks"] >= readers  # at least the final, forced report
+        assert ph["calls_per_reader"] == round(sum(c.values()) / readers, 2)
+        assert ph["heartbeats"] > 0 and ph["leases"] >= readers
+    assert out["phases"]["chunks"]["chunks"] == 128 and out["phases"]["history"]["history"] == 6
+    text = bench.report_fleet(out)
+    assert "PASS" in text or "MISS" in text

@@ -31,7 +31,7 @@ from .settings import Settings, SettingsError
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineHooks", "WorkerState", "connect", "get_state", "open_hub", "resolve", "version_status",
-           "fetch", "read_disk", "publish_disk"]
+           "fetch", "serve_in_place", "withdraw", "read_disk", "publish_disk"]
 
 
 def one_group(names: list) -> list:
@@ -219,6 +219,34 @@ def fetch(st: WorkerState, version: int, layout: str = "hf", *, shard: int = 0,
                 f"; failed sources {got.failed_sources}" if got.failed_sources else "",
                 "; into the kept copy of an older version" if into is not None else "")
     return got
+
+
+# ---------------------------------------------------------------- serving the parameters
+def serve_in_place(st: WorkerState, tensors: Mapping[str, Any], version: int, shard: int, num_shards: int) -> None:
+    """Register the rank's parameters (``tensors``: the adapter's ``native_tensors``, no
+    copy) as ``shard`` of ``num_shards`` of ``version`` in the native layout ``st.layout``.
+    Raises what the publish raises; whether that fails the engine is the adapter's call."""
+    s = st.settings
+    st.hub.publish(s.model, tensors, version=version, layout=st.layout, shard=shard, num_shards=num_shards)
+    st.native = True
+    logger.info("tensorhub: worker %s serves %s v%d in place as layout %s (shard %d of %d, %.1f MB)",
+                st.hub.worker_id, s.model, version, st.layout, shard, num_shards,
+                sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6)
+
+
+def withdraw(st: WorkerState, version: int) -> None:
+    """Before the parameters change: stop serving ``version`` (every layout this worker
+    holds of it: the parameters in place, the ``hf`` copy) and wait up to ``drain_timeout``
+    for its readers (invariant 3: memory a reader may still read is never overwritten).
+    Raises ``TensorHubError`` when they do not drain, and then the parameters must stay as
+    they are; nothing registered is fine."""
+    import tensorhub
+
+    try:
+        st.hub.unpublish(st.settings.model, version, timeout=st.settings.drain_timeout)
+    except tensorhub.NotFoundError:
+        pass  # nothing registered (native off, not a serving rank)
+    st.native, st.copy = False, None  # the hf copy of that version went with it
 
 
 # ---------------------------------------------------------------- on_missing="disk"

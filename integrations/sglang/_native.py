@@ -22,7 +22,7 @@ import logging
 from typing import Any, Optional
 
 from .._core.load import layout_name
-from .._core.worker import WorkerState, version_status
+from .._core.worker import WorkerState, serve_in_place, version_status
 from ._runtime import engine
 
 logger = logging.getLogger(__name__)
@@ -74,12 +74,7 @@ def publish(st: WorkerState, model: Any, version: int) -> None:
         logger.warning("tensorhub: not serving the native layout: parameter %r is not contiguous", bad[0])
         return
     st.layout = st.layout or fingerprint(model, st)
-    st.hub.publish(st.settings.model, tensors, version=version, layout=st.layout, shard=st.rank,
-                   num_shards=st.tp_size)
-    st.native = True
-    logger.info("tensorhub: tp rank %d serves %s v%d in place as layout %s (shard %d/%d, %.1f MB)",
-                st.rank, st.settings.model, version, st.layout, st.rank, st.tp_size,
-                sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6)
+    serve_in_place(st, tensors, version, st.rank, st.tp_size)  # one layout per stage: TP shards only
 
 
 def choose_layout(st: WorkerState, version: int) -> str:

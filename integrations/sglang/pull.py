@@ -175,16 +175,14 @@ def _all_or_none(st: WorkerState, err: Optional[str]) -> Optional[str]:
 
 
 def _unpublish(st: WorkerState, version: int) -> Optional[str]:
-    """Stop serving ``version`` (native and hf); None once its readers drained."""
+    """Stop serving ``version`` (native and hf); None once its readers drained, else why not
+    (a value: every rank still meets the next all-or-none)."""
     import tensorhub
 
     try:
-        st.hub.unpublish(st.settings.model, version, timeout=st.settings.drain_timeout)
-    except tensorhub.NotFoundError:
-        pass  # nothing registered (native off, not a serving rank)
+        worker.withdraw(st, version)
     except tensorhub.TensorHubError as e:
         return f"v{version} is still being read ({e}); its memory stays untouched"
-    st.native, st.copy = False, None
     return None
 
 

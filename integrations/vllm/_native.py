@@ -27,8 +27,8 @@ import json
 import logging
 from typing import Any, Mapping, Optional
 
+from .._core import worker
 from .._core.load import layout_name
-from .._core.worker import version_status
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def servable(tensors: Mapping[str, Any]) -> Optional[str]:
 def available(hub: Any, model: str, version: int, layout: str, shard: int) -> bool:
     """Whether ``version`` is complete in ``layout`` (every shard registered once) and a
     replica of ``shard`` serves it now (not draining, suspect or partial)."""
-    v = version_status(hub, model, version)
+    v = worker.version_status(hub, model, version)
     return v is not None and bool(v["layouts"].get(layout, {}).get("complete")) and any(
         r["layout"] == layout and r["shard"] == shard and not r["draining"]
         and not r["suspect"] and r["partial"] is None for r in v["replicas"])
@@ -124,30 +124,19 @@ def publish(st: Any, model: Any) -> bool:
             st.native_refused = True
         return False
     try:
-        st.hub.publish(s.model, tensors, version=st.version, layout=st.layout,
-                       shard=shard_of(st.rank, st.tp_size, st.pp_rank), num_shards=st.tp_size * st.pp_size)
+        worker.serve_in_place(st, tensors, st.version, shard_of(st.rank, st.tp_size, st.pp_rank),
+                              st.tp_size * st.pp_size)
     except Exception as e:
         logger.warning("tensorhub: could not register the engine-native layout %s of %s v%d: %s",
                        st.layout, s.model, st.version, e)
         return False
-    st.native = True
-    logger.info("tensorhub: worker %s serves %s v%d in place as layout %s (shard %d of %d, %.1f MB)",
-                st.hub.worker_id, s.model, st.version, st.layout, shard_of(st.rank, st.tp_size, st.pp_rank),
-                st.tp_size * st.pp_size, sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6)
     return True
 
 
 def withdraw(st: Any) -> None:
-    """Before the parameters change: unpublish the running version (every layout this
-    worker holds of it) and wait for its readers; raises if they do not drain in time, and
-    then the parameters must stay as they are."""
-    if not st.native:
-        return
-    import tensorhub
-
-    try:
-        st.hub.unpublish(st.settings.model, st.version, timeout=st.settings.drain_timeout)
-    except tensorhub.NotFoundError:
-        pass
-    st.native = False
-    st.copy = None  # the hf copy of that version went with it
+    """Before the parameters change: when they are served in place, unpublish the running
+    version (:func:`~integrations._core.worker.withdraw`: every layout, its readers
+    drained); raises if they do not drain in time, and then the parameters must stay as
+    they are. Otherwise nothing: the ``hf`` copy is retired after the swap, off the call."""
+    if st.native:
+        worker.withdraw(st, st.version)
