@@ -204,3 +204,56 @@ def test_transport_copies_covered_batches_and_passes_the_rest_on():
     finally:
         reader.close()
         holder.close()
+
+
+def test_follow_waits_for_the_engines_prefetch_before_it_swaps(embedded, capsys):
+    """``tensorhub follow --engine-worker W`` pauses the engine (calls the driver's swap) only
+    once W holds the new version; without it within --prefetch-wait, it swaps anyway."""
+    import argparse
+
+    import torch
+
+    import tensorhub
+    from tensorhub.follow import engine_holds, follow
+    from tensorhub.testing import InMemoryTransport
+
+    url = embedded.url
+    pub = tensorhub.connect(url, worker_id="trainer", transport=InMemoryTransport())
+    engine = tensorhub.connect(url, worker_id="eng", transport=InMemoryTransport())
+    try:
+        w = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+        swaps: list[tuple[int, bool, float]] = []
+
+        def do_swap(client, v, show):
+            swaps.append((v, engine_holds(engine.api.status(), "policy", v, "eng"), time.monotonic()))
+            return 0.01
+
+        def run(wait: float) -> None:
+            args = argparse.Namespace(model="policy", max_swaps=1, coordinator=url, token_file=None,
+                                      engine_worker="eng", prefetch_wait=wait)
+            follow(args, "http://127.0.0.1:9", lambda client: (swaps[-1][0] if swaps else None, "start"), do_swap)
+
+        t = threading.Thread(target=run, args=(30.0,), daemon=True)
+        t.start()
+        time.sleep(0.5)
+        v1 = pub.publish("policy", w)
+        time.sleep(1.5)  # the engine's prefetch lands later
+        assert swaps == [], "follow swapped before the engine held the version"
+        t_fetch = time.monotonic()
+        engine.fetch("policy", v1)  # serve=True: the engine holds v1
+        t.join(30)
+        assert not t.is_alive() and len(swaps) == 1
+        v, held, when = swaps[0]
+        assert v == v1 and held and when >= t_fetch
+
+        # No prefetch within the wait: it swaps anyway, and says so.
+        t = threading.Thread(target=run, args=(1.0,), daemon=True)
+        t.start()
+        time.sleep(0.3)
+        v2 = pub.publish("policy", w)
+        t.join(30)
+        assert [s[0] for s in swaps] == [v1, v2] and swaps[1][1] is False
+        assert f"v{v2}: engine worker eng did not hold it" in capsys.readouterr().err
+    finally:
+        engine.close()
+        pub.close()
