@@ -511,6 +511,8 @@ class _Fleet:
         self.phase: Optional[Phase] = None
         self.setup_errors: dict[str, int] = {}
         self.lease_ttl = 30.0
+        self.hb_skipped = 0  # heartbeats not sent: 4,096 already waiting for an answer
+        self.expired = 0  # heartbeats answered 404: the coordinator had dropped the worker
 
     async def call(self, route: str, method: str, path: str, body: Optional[dict] = None, *,
                    raw: Optional[bytes] = None, lat: Optional[list] = None, parse: bool = True,
@@ -544,7 +546,7 @@ class _Fleet:
         errs[k] = errs.get(k, 0) + 1
 
     # ---- setup
-    async def register(self, ids: list[str]) -> None:
+    async def register(self, ids: list[str], start: int = 0) -> None:
         sem = asyncio.Semaphore(64)
         zones = ["z1", "z2", "z3", "z4"]
 
@@ -556,11 +558,13 @@ class _Fleet:
                 if r:
                     self.lease_ttl = float(r.get("lease_ttl", self.lease_ttl))
 
-        await asyncio.gather(*(one(i, w) for i, w in enumerate(ids)))
+        await asyncio.gather(*(one(i, w) for i, w in enumerate(ids, start)))
 
     async def publish(self, model: str, trainer: str, manifest_json: bytes, addresses_json: bytes) -> int:
         """The trainer publishes a new complete version (one replica); its number."""
         _, r = await self.call("publish", "POST", f"/v1/models/{model}/versions", {})
+        if not r or "version" not in r:
+            raise RuntimeError(f"the trainer could not publish: {self.setup_errors}")
         v = int(r["version"])
         await self.call("publish", "POST", "/v1/replicas", raw=_replica_body(trainer, model, v, manifest_json,
                                                                            addresses_json))
@@ -573,19 +577,26 @@ class _Fleet:
         period = every / max(1, len(ids))
         start, i = loop.time(), 0
 
-        async def beat(w: str) -> None:
+        async def beat(k: int) -> None:
+            w = ids[k]
             ph = self.phase
-            await self.call("heartbeat", "POST", f"/v1/workers/{w}/heartbeat", {}, pool=self.hb,
-                            lat=ph.heartbeat if ph is not None else None, parse=False)
+            st, _ = await self.call("heartbeat", "POST", f"/v1/workers/{w}/heartbeat", {}, pool=self.hb,
+                                    lat=ph.heartbeat if ph is not None else None, parse=False)
+            if st == 404:  # expired (heartbeats answered too late): register again, as the Hub does
+                self.expired += 1
+                await self.register([w], start=k)
 
         while not stop.is_set():
             now = loop.time()
             while start + i * period <= now:
                 if self.phase is not None:
                     late.append(now - (start + i * period))
-                t = asyncio.ensure_future(beat(ids[i % len(ids)]))
-                pending.add(t)
-                t.add_done_callback(pending.discard)
+                if len(pending) < 4096:
+                    t = asyncio.ensure_future(beat(i % len(ids)))
+                    pending.add(t)
+                    t.add_done_callback(pending.discard)
+                else:  # the coordinator is this far behind: bounded memory here, counted
+                    self.hb_skipped += 1
                 i += 1
             await asyncio.sleep(max(0.002, start + i * period - loop.time()))
         if pending:
@@ -618,7 +629,7 @@ class _Fleet:
                 return g if st == 200 else None
 
         g = await new_lease()
-        if g is None:
+        if g is None or not g.get("chunk_bytes"):
             return
         leases = [g["lease_id"]]
         cur: Optional[str] = g["lease_id"]
@@ -627,10 +638,10 @@ class _Fleet:
         chunk_bytes = int(g["chunk_bytes"])
         n = ph.chunks
         await self.call("POST versions", "POST", f"/v1/models/{m}/versions", {"version": v})
-        _, rr = await self.call("POST replicas (partial)", "POST", "/v1/replicas",
-                                raw=_replica_body(wid, m, v, man_json, addrs_json,
-                                                  f',"partial":true,"chunk_bytes":{chunk_bytes},"num_chunks":{n}'))
-        pid = rr["replica_id"] if rr else None
+        st, rr = await self.call("POST replicas (partial)", "POST", "/v1/replicas",
+                                 raw=_replica_body(wid, m, v, man_json, addrs_json,
+                                                   f',"partial":true,"chunk_bytes":{chunk_bytes},"num_chunks":{n}'))
+        pid = rr["replica_id"] if st == 200 and rr else None  # not serving while receiving, as the Hub goes on
         order = chunk_order(n, float(g.get("start", 0.0)), bool(g.get("reverse", False)))
         everything = frozenset(range(n))
         done: set[int] = set()
@@ -662,6 +673,9 @@ class _Fleet:
 
         while len(done) < n:
             now = loop.time()
+            if now - t0 > 600:  # the Hub's fetch_timeout: the fetch fails
+                self._error("fetch", "timed out")
+                return
             stalled = not receiving and now - last_progress > CLAIM_PATIENCE
             can = readable(stalled)
             # the link moves bytes only while something is in flight
@@ -687,8 +701,12 @@ class _Fleet:
                 if cur is not None:
                     st, g2 = await self.call("POST leases (refresh)", "POST", "/v1/leases",
                                              dict(lease_body, lease_id=cur), lat=ph.lease)
-                    if st == 409:
+                    if st == 409:  # lease_lapsed: a new one (``PipelinedSources._acquire``)
                         cur = None
+                    elif st != 200:
+                        g2 = None
+                else:
+                    g2 = None
                 if cur is None:
                     g2 = await new_lease()
                     if g2 is not None:
@@ -802,6 +820,7 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
     out: dict = {"workers": len(ids), "readers": readers, "tensors": tensors, "heartbeat_interval": heartbeat,
                  "link_gbps": link_gbps, "history_tensors": history_tensors, "alive_after": alive,
                  "setup_seconds": round(time.perf_counter() - t_setup, 1), "setup_errors": fl.setup_errors,
+                 "expired": fl.expired, "heartbeats_skipped": fl.hb_skipped,
                  "generator_late_ms": {"p50": round(_pct(late, 0.5) * 1e3, 2), "p99": round(_pct(late, 0.99) * 1e3, 2)},
                  "phases": {}}
     for ph in phases:
@@ -898,7 +917,8 @@ def report_fleet(out: dict) -> str:
     lines.append(f"setup {out['setup_seconds']} s; generator lateness p50 {out['generator_late_ms']['p50']} ms, "
                  f"p99 {out['generator_late_ms']['p99']} ms; errors {out['errors']}"
                  + (f" {errs} {out['setup_errors']}" if out["errors"] else "")
-                 + f"; coordinator alive: {out['coordinator_alive']}")
+                 + f"; workers expired and re-registered {out['expired']}; heartbeats not sent (4,096 unanswered) "
+                 f"{out['heartbeats_skipped']}; coordinator alive: {out['coordinator_alive']}")
     return "\n".join(lines)
 
 

@@ -40,7 +40,7 @@ from ._exceptions import (
 
 from ._wire import (
     ChunksHeld, HeartbeatAnswer, LeaseGrant, Manifest, Released, Renewed, ReplicaRegistered, Unpublished,
-    VersionAnswer, WorkerRegistered, WorkerRemoved,
+    VersionAnswer, VersionView, WorkerRegistered, WorkerRemoved,
 )
 
 __all__ = ["CoordinatorClient"]
@@ -258,6 +258,10 @@ class CoordinatorClient:
     def status(self, **kw: Any) -> dict:
         """Everything ``tensorhub status`` shows (models, versions, replicas, workers, leases, fetches)."""
         return self.get("/v1/status", **kw)
+
+    def version(self, model: str, version: int, **kw: Any) -> VersionView:
+        """One version now (layouts, replicas); NotFoundError if the coordinator has none."""
+        return VersionView.model_validate(self.get(f"/v1/models/{model}/versions/{version}", **kw))
 
     def models(self, **kw: Any) -> list:
         return self.get("/v1/models", **kw)

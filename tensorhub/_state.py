@@ -68,7 +68,7 @@ from ._planner import (
     reserve_chunks, start_fraction, start_reverse,
 )
 from ._registry import Lease, Registry, Replica, ShardKey, Worker
-from ._views import FETCH_STALE, metrics_view, status_view
+from ._views import FETCH_STALE, metrics_view, record_fetch, status_view
 from ._wire import (
     AcquireLease,
     FetchReport,
@@ -85,12 +85,8 @@ __all__ = ["StateConfig", "CoordinatorState", "Write", "ShardKey"]
 # Re-exported: the types the state is made of (tests and the shell name them here).
 _ = (ALLOCATIONS_KEPT, LayoutInfo, ModelInfo, VersionInfo, Lease, Replica, Worker)
 
-#: Most running fetches the live table keeps (more are not shown, still counted at the end).
-MAX_LIVE_FETCHES = 10_000
 #: Most versions one retention pass retires (the rest on the next tick).
 RETIRE_PER_TICK = 8
-#: ``locality_cost`` -> the ``distance`` label of fetched bytes.
-DISTANCES = ("same_host", "same_zone", "same_datacenter", "other_datacenter")
 
 
 @dataclass(frozen=True)
@@ -555,7 +551,8 @@ class CoordinatorState:
             layout=req.layout,
             shard=req.shard,
             num_shards=li.num_shards,
-            manifest=li.manifests[req.shard] if req.manifest and refresh is None else None,
+            # Only clients that read manifests by version say so; older ones get it every time.
+            manifest=li.manifests[req.shard] if req.manifest else None,
             replicas=[
                 ReplicaInfo(
                     replica_id=r.replica_id, worker_id=w.worker_id, endpoint=w.endpoint,
@@ -645,29 +642,11 @@ class CoordinatorState:
 
     # ----------------------------------------------------------------- observability
     def record_fetch(self, now: float, req: FetchReport) -> dict[str, int]:
-        """A reader reports a fetch: running (kept in the live table ``status`` shows) or
-        ended (dropped from it; its bytes are credited to the source workers). Only models
-        this coordinator knows are accepted, which bounds the label sets of ``/metrics``.
-        Returns an ended fetch's bytes by distance (``DISTANCES``, or ``unknown`` for a
-        worker no longer registered); ``{}`` for a running one."""
+        """A reader reports a fetch (``_views.record_fetch``); only models this coordinator
+        knows are accepted, which bounds the label sets of ``/metrics``."""
         now = self._now(now)
         self.catalog.model(req.model)
-        key = (req.worker_id, req.model, req.version, req.layout, req.shard)
-        if req.state == "running":
-            if key in self.fetching or len(self.fetching) < MAX_LIVE_FETCHES:
-                self.fetching[key] = (req, now)
-            return {}
-        self.fetching.pop(key, None)
-        reader = self.workers.get(req.worker_id)
-        by_distance: dict[str, int] = {}
-        for wid, n in req.sources.items():
-            src = self.workers.get(wid)
-            if src is not None and wid != req.worker_id:
-                src.served_bytes += n
-            d = "unknown" if src is None or reader is None else \
-                DISTANCES[locality_cost(reader.locality, src.locality)]
-            by_distance[d] = by_distance.get(d, 0) + n
-        return by_distance
+        return record_fetch(self, now, req)
 
     def record_swap(self, now: float, req: SwapReport) -> None:
         """An engine reports a swap (only known models are accepted; see ``record_fetch``)."""

@@ -1,4 +1,5 @@
-"""What the coordinator shows of its state: ``/metrics`` and ``tensorhub status``.
+"""What the coordinator observes and shows: fetch reports, ``/metrics`` and
+``tensorhub status``.
 
 Read-only over a :class:`~tensorhub._state.CoordinatorState` (``st``; no decision depends
 on these; ``_state`` calls them, so they do not import it); the shell calls them under its
@@ -9,10 +10,39 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["metrics_view", "status_view", "FETCH_STALE"]
+from ._planner import locality_cost
+
+__all__ = ["metrics_view", "status_view", "version_view", "record_fetch", "FETCH_STALE", "DISTANCES"]
 
 #: A running fetch not reported for this long is dropped from the live table (seconds).
 FETCH_STALE = 10.0
+#: Most running fetches the live table keeps (more are not shown, still counted at the end).
+MAX_LIVE_FETCHES = 10_000
+#: ``locality_cost`` -> the ``distance`` label of fetched bytes.
+DISTANCES = ("same_host", "same_zone", "same_datacenter", "other_datacenter")
+
+
+def record_fetch(st: Any, now: float, req: Any) -> dict[str, int]:
+    """A reader's fetch report: running (kept in the live table ``status`` shows) or ended
+    (dropped from it; its bytes are credited to the source workers, which learn them on
+    their heartbeats). Returns an ended fetch's bytes by distance (``DISTANCES``, or
+    ``unknown`` for a worker no longer registered); ``{}`` for a running one."""
+    key = (req.worker_id, req.model, req.version, req.layout, req.shard)
+    if req.state == "running":
+        if key in st.fetching or len(st.fetching) < MAX_LIVE_FETCHES:
+            st.fetching[key] = (req, now)
+        return {}
+    st.fetching.pop(key, None)
+    reader = st.workers.get(req.worker_id)
+    by_distance: dict[str, int] = {}
+    for wid, n in req.sources.items():
+        src = st.workers.get(wid)
+        if src is not None and wid != req.worker_id:
+            src.served_bytes += n
+        d = "unknown" if src is None or reader is None else \
+            DISTANCES[locality_cost(reader.locality, src.locality)]
+        by_distance[d] = by_distance.get(d, 0) + n
+    return by_distance
 
 
 def metrics_view(st: Any, now: float) -> dict:
@@ -46,6 +76,23 @@ def metrics_view(st: Any, now: float) -> dict:
     for mv in models.values():
         mv["held_versions"] = len(mv["held_versions"])
     return {"workers": len(st.workers), "models": models, "pauses": st.pauses}
+
+
+def version_view(st: Any, now: float, model: str, version: int) -> dict:
+    """One version: complete or not, its layouts, its replicas now (by the registry's
+    version index: no scan of the rest)."""
+    vi = st.catalog.version(model, version)
+    reps = sorted(st.registry.replicas_of_version(model, version), key=lambda r: r.registered_at)
+    return {
+        "model": model, "version": version, "complete": vi.complete,
+        "layouts": {lname: {"num_shards": li.num_shards, "complete": li.complete,
+                            "nbytes": sum(mf.nbytes for mf in li.manifests.values())}
+                    for lname, li in vi.layouts.items()},
+        "replicas": [{"replica_id": r.replica_id, "worker_id": r.worker_id, "layout": r.layout, "shard": r.shard,
+                      "draining": r.draining, "suspect": r.suspect_until > now,
+                      "partial": None if r.chunks is None else f"{len(r.chunks)}/{r.num_chunks}"}
+                     for r in reps],
+    }
 
 
 def status_view(st: Any, now: float) -> dict:

@@ -229,8 +229,8 @@ class AcquireLease(_Model):
     lease_id: Optional[Ident] = None
     #: Client-chosen id of this request: a retry with the same id gets the same lease.
     request_id: Optional[Ident] = None
-    #: Answer the shard's manifest in the grant. Readers that keep manifests by version
-    #: (final once registered: ``GET .../manifest``) send false; refreshes never carry it.
+    #: Answer the shard's manifest in the grant (and in refreshes). Readers that keep
+    #: manifests by version (final once registered: ``GET .../manifest``) send false.
     manifest: bool = True
 
 
@@ -364,6 +364,42 @@ class WorkerRemoved(_Answer):
 
 class VersionAnswer(_Answer):
     version: Optional[int]
+
+
+class LayoutView(_Answer):
+    num_shards: int
+    complete: bool
+    nbytes: int
+
+
+class ReplicaView(_Answer):
+    replica_id: str
+    worker_id: str
+    layout: str
+    shard: int
+    draining: bool
+    suspect: bool
+    #: "k/n" chunks held while still receiving (pipelined); None when complete.
+    partial: Optional[str] = None
+
+    @property
+    def serving(self) -> bool:
+        """Offered to new readers whole: not draining, suspect or partial."""
+        return not self.draining and not self.suspect and self.partial is None
+
+
+class VersionView(_Answer):
+    """One version as the coordinator sees it now (``GET /v1/models/{m}/versions/{v}``)."""
+
+    model: str
+    version: int
+    complete: bool
+    layouts: dict[str, LayoutView]
+    replicas: list[ReplicaView]
+
+    def layout_complete(self, layout: str) -> bool:
+        li = self.layouts.get(layout)
+        return li is not None and li.complete
 
 
 class ReplicaRegistered(_Answer):

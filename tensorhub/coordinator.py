@@ -1,4 +1,5 @@
-"""The coordinator service: a thin HTTP shell around :class:`CoordinatorState`.
+"""The coordinator service: a thin HTTP shell around :class:`Coordinator` (``_coordinator``:
+the state machine, its store, lock, clock and leadership).
 
 Run it as ``tensorhub coordinator --host 127.0.0.1 --port 0 --state-dir DIR``, or embed it
 in a process with :class:`EmbeddedCoordinator` (the demo does). Every request takes one
@@ -37,10 +38,9 @@ from fastapi.responses import JSONResponse, Response
 from ._exceptions import (
     ConfigError, ConflictError, CoordinatorError, InvalidRequestError, NotFoundError, UnauthorizedError,
 )
-from ._catalog import Catalog
-from ._metrics import CoordinatorMetrics
-from ._state import CoordinatorState, StateConfig
-from ._store import SqliteStore
+from ._coordinator import NOT_LEADER, Coordinator, ha_coordinator
+from ._state import StateConfig
+from ._views import version_view
 from ._wire import (
     MAX_BODY_BYTES,
     MAX_NAME_LEN,
@@ -60,7 +60,7 @@ from ._wire import (
     Unpublish,
 )
 
-__all__ = ["Coordinator", "EmbeddedCoordinator", "create_app", "serve"]
+__all__ = ["Coordinator", "EmbeddedCoordinator", "create_app", "serve", "ha_coordinator"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,154 +75,6 @@ def _id() -> Any:
 
 def _version() -> Any:
     return PathParam(ge=1, le=MAX_VERSION)
-
-
-class _Watch:
-    """Waiters for a model's next complete version, woken by the publish that completes
-    it (no polling). Waiters live on the server's event loop; ``notify`` may be called from
-    any thread."""
-
-    def __init__(self) -> None:
-        self._waiters: dict[str, set[asyncio.Future]] = {}
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-
-    def register(self, model: str) -> asyncio.Future:
-        """Register before reading the state (a version completing in between wakes it)."""
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        fut = loop.create_future()
-        self._waiters.setdefault(model, set()).add(fut)
-        return fut
-
-    def forget(self, model: str, fut: asyncio.Future) -> None:
-        ws = self._waiters.get(model)
-        if ws is not None:
-            ws.discard(fut)
-            if not ws:
-                del self._waiters[model]
-
-    def notify(self, models: set[str]) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake, models)
-
-    def _wake(self, models: set[str]) -> None:
-        for m in models:
-            for fut in self._waiters.pop(m, ()):
-                if not fut.done():
-                    fut.set_result(None)
-
-
-class Coordinator:
-    """State machine + durable store + lock + clock: what the HTTP routes call.
-
-    With an ``election`` (highly available coordinators on etcd, ``_election``) the state
-    is built when this process is elected (from the store, as after a restart: a new
-    epoch) and every call first checks that it still leads; a commit etcd refuses makes
-    it step down, and the request is answered ``not_leader``, never as if it were durable."""
-
-    def __init__(self, state_dir: Optional[str | os.PathLike], config: StateConfig = StateConfig(),
-                 clock: Callable[[], float] = time.monotonic, *, store: Any = None, election: Any = None) -> None:
-        self.clock = clock
-        self.config = config
-        self.store = SqliteStore(state_dir) if store is None else store
-        self.store.open()
-        self.lock = threading.Lock()
-        #: ``latest?wait=`` requests, woken when their model's newest version changes.
-        self.watch = _Watch()
-        self.election = election
-        #: An elected coordinator whose state is loaded (always True without an election).
-        self.serving = election is None
-        self.state = CoordinatorState.restore(self.store.load() if election is None else [], config, now=clock())
-        self.metrics = CoordinatorMetrics(lambda: self.read(lambda: self.state.metrics_view(self.clock()),
-                                                            check=False), start_time=time.time())
-        if election is not None:
-            election.on_elected, election.on_deposed = self._elected, self._deposed
-            self.metrics.track_election(election)
-        else:
-            logger.info(
-                "coordinator epoch %s on %s (%d models restored)",
-                self.state.epoch, self.store.path, len(self.state.models),
-            )
-
-    # ------------------------------------------------------------- leadership (HA)
-    def leading(self) -> bool:
-        """May this process answer requests now? (Always, without an election.)"""
-        return self.election is None or (self.serving and self.election.leading())
-
-    def leader_url(self) -> Optional[str]:
-        return None if self.election is None else self.election.leader_url()
-
-    def _check_leader(self) -> None:
-        if not self.leading():
-            raise CoordinatorError("this coordinator is not the leader", NOT_LEADER, status=503)
-
-    def _elected(self, fence: int) -> None:
-        with self.lock:
-            self.state = CoordinatorState.restore(self.store.load(), self.config, now=self.clock())
-            self.serving = True
-        logger.warning("coordinator epoch %s leads on %s (%d models restored)",
-                       self.state.epoch, self.store.path, len(self.state.models))
-
-    def _deposed(self, why: str) -> None:
-        self.serving = False  # no lock: resign() may run under it; the state is rebuilt when elected
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one state-machine method and commit its durable writes before returning."""
-        with self.lock:
-            self._check_leader()
-            try:
-                result = fn(self.clock(), *args)
-            finally:
-                completed = self.state.catalog.take_completed()
-                if completed:
-                    self.watch.notify(completed)
-                writes = self.state.take_writes()
-                if writes:
-                    try:
-                        self.store.commit(writes)
-                    except Exception as e:
-                        if self.election is not None:
-                            # Refused (deposed) or unknown outcome: never answer it; whoever
-                            # leads next rebuilds from etcd.
-                            logger.warning("store commit failed (%s); stepping down", e)
-                            self.serving = False
-                            self.election.resign(f"commit failed: {e}")
-                            raise CoordinatorError(f"not committed, stepped down: {e}", NOT_LEADER, status=503) from None
-                        # Memory ran ahead of disk: rebuild the durable part from disk.
-                        logger.exception("store commit failed; reloading durable state")
-                        self._reload()
-                        raise
-            return result
-
-    def read(self, fn: Callable[..., Any], *args: Any, check: bool = True) -> Any:
-        with self.lock:
-            if check:
-                self._check_leader()
-            return fn(*args)
-
-    def _reload(self) -> None:
-        """Memory ran ahead of disk: the catalog is read back from the store; the soft
-        registry (and everything else in memory) stays."""
-        self.state.catalog = Catalog.restore(self.store.load())
-
-    def expire(self) -> None:
-        """The periodic tick: dead workers, lapsed leases, retention (its writes committed)."""
-        if not self.leading():
-            return
-        dead = self.call(lambda now: self.state.expire(now))
-        for wid in dead:
-            logger.warning("worker %s stopped heart-beating; its replicas were dropped", wid)
-
-    def close(self) -> None:
-        if self.election is not None:
-            self.election.stop()
-        self.store.close()
-
-
-#: The ``code`` of answers from a coordinator that does not lead (HA on etcd): 307 with
-#: ``Location`` (and ``leader`` in the body) when it knows the leader, else 503.
-NOT_LEADER = "not_leader"
 
 
 def _not_leader(coord: "Coordinator", scope: Any) -> JSONResponse:
@@ -320,7 +172,7 @@ class _FastHeartbeat:
             return await self.app(scope, receive, send)
         wid = m.group(1)
         try:
-            w = self.coord.call(lambda now: self.coord.state.heartbeat(now, wid))
+            w = self.coord.call(lambda now: self.coord.state.heartbeat(now, wid), soft=True)
             resp = JSONResponse(_heartbeat_answer(self.coord, w))
         except CoordinatorError as e:
             resp = _not_leader(self.coord, scope) if e.code == NOT_LEADER else error_response(e)
@@ -404,18 +256,18 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
 
     @app.post("/v1/workers")
     async def register_worker(req: RegisterWorker) -> dict:
-        coord.call(lambda now: st().register_worker(now, req.worker_id, req.endpoint, req.locality))
+        coord.call(lambda now: st().register_worker(now, req.worker_id, req.endpoint, req.locality), soft=True)
         return {"epoch": coord.state.epoch, "worker_ttl": coord.config.worker_ttl,
                 "lease_ttl": coord.config.lease_ttl}
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
     async def heartbeat(worker_id: str = _id()) -> dict:
-        w = coord.call(lambda now: st().heartbeat(now, worker_id))
+        w = coord.call(lambda now: st().heartbeat(now, worker_id), soft=True)
         return _heartbeat_answer(coord, w)
 
     @app.delete("/v1/workers/{worker_id}")
     async def remove_worker(worker_id: str = _id()) -> dict:
-        n = coord.call(lambda now: st().remove_worker(now, worker_id))
+        n = coord.call(lambda now: st().remove_worker(now, worker_id), soft=True)
         return {"replicas_dropped": n}
 
     @app.get("/v1/models")
@@ -441,7 +293,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
         while True:
             woken = coord.watch.register(model)  # before reading: a publish in between wakes it
             try:
-                v = coord.read(lambda: st().latest(model, newer_than))
+                v = await coord.aread(lambda: st().latest(model, newer_than))
                 left = deadline - time.monotonic()
                 if v is not None or left <= 0:
                     return {"version": v}
@@ -453,7 +305,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
 
     @app.post("/v1/models/{model}/resolve")
     async def resolve(model: str = _model(), req: Resolve = Body(default=Resolve())) -> dict:
-        return {"version": coord.call(lambda now: st().resolve(now, model, req.group, req.newer_than))}
+        return {"version": await coord.acall(lambda now: st().resolve(now, model, req.group, req.newer_than))}
 
     @app.post("/v1/replicas")
     def register_replica(req: RegisterReplica) -> dict:
@@ -462,6 +314,11 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
                      req.layout, req.shard, req.num_shards, req.worker_id,
                      " (partial)" if req.partial else " (version complete)" if complete else "")
         return {"replica_id": rid, "complete": complete}
+
+    @app.get("/v1/models/{model}/versions/{version}")
+    def version_info(model: str = _model(), version: int = _version()) -> dict:
+        """One version now: complete or not, its layouts, its replicas (``VersionView``)."""
+        return coord.read(lambda: version_view(st(), coord.clock(), model, version))
 
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=Manifest)
     def manifest(model: str = _model(), version: int = _version(),
@@ -473,7 +330,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
 
     @app.post("/v1/models/{model}/versions/{version}/unpublish")
     async def unpublish(req: Unpublish, model: str = _model(), version: int = _version()) -> dict:
-        drained, open_ = coord.call(lambda now: st().unpublish(now, req.worker_id, model, version,
+        drained, open_ = await coord.acall(lambda now: st().unpublish(now, req.worker_id, model, version,
                                                                  req.replica_ids))
         if drained:
             logger.info("worker %s unpublished %s v%d", req.worker_id, model, version)
@@ -481,7 +338,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
 
     @app.post("/v1/replicas/{replica_id}/report")
     async def report(req: Report, replica_id: str = _id()) -> dict:
-        r = coord.call(lambda now: st().report(now, replica_id, req.worker_id, req.reason))
+        r = coord.call(lambda now: st().report(now, replica_id, req.worker_id, req.reason), soft=True)
         if r is not None:
             coord.metrics.source_failures.labels(r.model).inc()
         # %r: a reason with newlines or control characters cannot forge log lines
@@ -494,11 +351,11 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     async def report_chunks(req: ReportChunks, replica_id: str = _id()) -> dict:
         """A partial replica's holder: these chunks are complete in its memory."""
         return {"held": coord.call(lambda now: st().add_chunks(now, replica_id, req.worker_id, req.chunks,
-                                                                          req.lease_ids, req.coming))}
+                                                                          req.lease_ids, req.coming), soft=True)}
 
     @app.post("/v1/leases", response_model=LeaseGrant)
     async def acquire(req: AcquireLease) -> Response:
-        grant = coord.call(lambda now: st().acquire_lease(now, req))
+        grant = await coord.acall(lambda now: st().acquire_lease(now, req))
         if grant.lease_id != req.lease_id:
             coord.metrics.leases_granted.labels(grant.model).inc()
         # Already a validated LeaseGrant: serialize once (response_model would re-validate it).
@@ -506,11 +363,11 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
 
     @app.post("/v1/leases/{lease_id}/renew")
     async def renew(lease_id: str = _id()) -> dict:
-        return {"ttl": coord.call(lambda now: st().renew_lease(now, lease_id))}
+        return {"ttl": coord.call(lambda now: st().renew_lease(now, lease_id), soft=True)}
 
     @app.post("/v1/leases/{lease_id}/release")
     async def release(lease_id: str = _id()) -> dict:
-        return {"valid": coord.call(lambda now: st().release_lease(now, lease_id))}
+        return {"valid": coord.call(lambda now: st().release_lease(now, lease_id), soft=True)}
 
     @app.get("/v1/leases/{lease_id}/covers")
     async def covers(replica_id: str, worker_id: str, lease_id: str = _id()) -> dict:
@@ -533,7 +390,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     async def fetch_report(req: FetchReport) -> dict:
         """A reader reports a fetch: while it runs (shown by ``status``) and when it ended
         (counted in ``/metrics``). Only models the coordinator knows are accepted."""
-        by_distance = coord.call(lambda now: st().record_fetch(now, req))
+        by_distance = coord.call(lambda now: st().record_fetch(now, req), soft=True)
         if req.state != "running":
             coord.metrics.fetch(req.model, req.state, by_distance, req.nbytes, req.seconds)
             gbps = req.nbytes / req.seconds / 1e9 if req.seconds > 0 else 0.0
@@ -548,7 +405,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     async def swap_report(req: SwapReport) -> dict:
         """An engine reports switching to a version: its stall feeds
         ``tensorhub_swap_stall_seconds``. Only models the coordinator knows are accepted."""
-        coord.call(lambda now: st().record_swap(now, req))
+        coord.call(lambda now: st().record_swap(now, req), soft=True)
         coord.metrics.swap(req.model, req.stall, req.ok)
         logger.info("engine %s %s %s v%d: stall %.3fs%s", req.worker_id,
                     "swapped to" if req.ok else "failed to swap to", req.model, req.version, req.stall,
@@ -614,24 +471,6 @@ class _Server:
             self.server.run(sockets=[self.sock])
         finally:
             self._stop.set()
-
-
-def ha_coordinator(store_url: str, advertise_url: str, config: StateConfig = StateConfig(), *,
-                   election_ttl: float = 2.0, etcd_ca_file: Optional[str] = None,
-                   etcd_cert_file: Optional[str] = None, etcd_key_file: Optional[str] = None) -> Coordinator:
-    """A coordinator on etcd (``--store etcd://...``) that leads only when elected.
-    Raises ``ConfigError`` for a malformed URL, ``EtcdUnavailable`` when no member answers."""
-    from ._election import Election
-    from ._store_etcd import EtcdStore
-
-    tls = dict(ca_file=etcd_ca_file, cert_file=etcd_cert_file, key_file=etcd_key_file)
-    store = EtcdStore(store_url, **tls)
-    store.open()
-    election = Election(store.etcd, store.prefix, advertise_url.rstrip("/"), ttl=election_ttl)
-    store.fence = election.fence
-    coord = Coordinator(None, config, store=store, election=election)
-    election.start()
-    return coord
 
 
 def serve(host: str, port: int, state_dir: Optional[str | os.PathLike], *, token: Optional[str] = None,

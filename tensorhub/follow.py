@@ -126,14 +126,11 @@ def progress_text(status: dict, model: str, version: int, stall: float) -> str:
 
 
 def _holders(hub: Any, model: str, version: int) -> tuple[int, list[str]]:
-    st = hub.api.status()
-    for m in st["models"]:
-        if m["model"] == model:
-            for v in m["versions"]:
-                if v["version"] == version:
-                    nbytes = v["layouts"].get("hf", {}).get("nbytes", 0)
-                    return nbytes, sorted({r["worker_id"] for r in v["replicas"]})
-    return 0, []
+    v = hub.version_info(model, version)
+    if v is None:
+        return 0, []
+    hf = v.layouts.get("hf")
+    return (hf.nbytes if hf is not None else 0), sorted({r.worker_id for r in v.replicas})
 
 
 def parser(engine_help: str, modes: Sequence[str], doc: str) -> argparse.ArgumentParser:

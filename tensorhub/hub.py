@@ -41,7 +41,7 @@ from ._holdings import Holdings
 from ._metrics import FetchProgress, Track, hub_metrics
 from ._session import Session
 from .config import HubConfig, parse_locality
-from ._wire import LeaseGrant, Locality, TensorSpec
+from ._wire import LeaseGrant, Locality, TensorSpec, VersionView
 from .transport import Transport
 
 __all__ = ["Hub", "Fetched", "connect", "parse_locality"]
@@ -289,6 +289,16 @@ class Hub:
         opts = FetchOptions(self.max_sources, self.chunk_bytes, self.progress_timeout, self.checksum)
         return Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into, serve=serve,
                      deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
+
+    def version_info(self, model: str, version: int) -> Optional[VersionView]:
+        """``model`` v``version`` as the coordinator sees it now: ``.complete``, its
+        ``.layouts`` (``num_shards``, ``complete``, ``nbytes``) and ``.replicas``
+        (``worker_id``, ``layout``, ``shard``, ``serving``); None if it has no such version."""
+        self._check_open()
+        try:
+            return self.api.version(model, version)
+        except NotFoundError:
+            return None
 
     def manifest(self, model: str, version: int, *, layout: str = "hf", shard: int = 0) -> list[TensorSpec]:
         """The tensors of ``model`` v``version`` (``layout``, ``shard``) in their order: each

@@ -151,8 +151,12 @@ def test_lease_answers_carry_the_manifest_only_when_asked(embedded):
         assert full["manifest"]["tensors"][0]["name"] == "w"  # older clients: as before
         lean = c.post("/v1/leases", json={**body, "manifest": False, "pipelined": True}).json()
         assert lean["manifest"] is None and lean["replicas"]
-        refresh = c.post("/v1/leases", json={**body, "pipelined": True, "lease_id": lean["lease_id"]}).json()
+        refresh = c.post("/v1/leases", json={**body, "pipelined": True, "lease_id": lean["lease_id"],
+                                             "manifest": False}).json()
         assert refresh["manifest"] is None and refresh["lease_id"] == lean["lease_id"]
+        # An older client (no "manifest" field) refreshing still gets it, as it always did.
+        old = c.post("/v1/leases", json={**body, "pipelined": True, "lease_id": lean["lease_id"]}).json()
+        assert old["manifest"]["tensors"][0]["name"] == "w"
 
 
 def test_wait_for_version_is_woken_by_the_publish(connect):
@@ -187,3 +191,88 @@ def test_public_lease_for_callers_outside_tensorhub(connect):
     assert seed.release(grant.lease_id) is False  # released once
     with pytest.raises(NotFoundError, match="no version 9"):
         seed.lease("m", 9, timeout=1.0)
+
+
+# ---------------------------------------------------------------------- commits off the lock
+class _SlowStore(SqliteStore):
+    """The real SQLite store behind a disk that takes ``delay`` per commit (or fails)."""
+
+    def __init__(self, path, delay: float = 0.0) -> None:
+        super().__init__(path)
+        self.delay, self.fail, self.started = delay, False, threading.Event()
+
+    def commit(self, writes):
+        writes = list(writes)
+        if writes:
+            self.started.set()
+            time.sleep(self.delay)
+            if self.fail:
+                raise OSError("disk on fire")
+        super().commit(writes)
+
+
+def test_a_slow_disk_does_not_stall_heartbeats_and_answers_wait_for_what_they_saw(tmp_path):
+    store = _SlowStore(tmp_path / "state", delay=3.0)
+    coord = Coordinator(None, CFG, store=store)
+    try:
+        for w in ("trainer", "reader"):
+            coord.call(lambda now, w=w: coord.state.register_worker(now, w, f"ep-{w}", Locality()), soft=True)
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("v", coord.call(
+            lambda now: coord.state.allocate_version(now, "m"))))
+        t.start()
+        assert store.started.wait(10)
+        # The allocation's commit is on the (slow) disk: heartbeats answer meanwhile.
+        coord.call(lambda now: coord.state.heartbeat(now, "reader"), soft=True)
+        assert t.is_alive(), "the heartbeat waited for the commit"
+        # A durable read (the version exists) is answered only once that commit is in.
+        latest = coord.read(lambda: coord.state.models["m"].counter)
+        assert not t.is_alive() and latest == 1 and box["v"] == 1
+    finally:
+        coord.close()
+    # Nothing answered was lost: a fresh coordinator on the same store knows v1.
+    coord = Coordinator(tmp_path / "state", CFG)
+    try:
+        assert coord.state.models["m"].counter == 1
+    finally:
+        coord.close()
+
+
+def test_a_failed_commit_is_an_error_for_everyone_who_saw_it_and_is_rolled_back(tmp_path):
+    store = _SlowStore(tmp_path / "state", delay=1.0)
+    coord = Coordinator(None, CFG, store=store)
+    try:
+        assert coord.call(lambda now: coord.state.allocate_version(now, "m")) == 1
+        store.fail, store.started = True, threading.Event()
+        errors: list = []
+
+        def allocate() -> None:
+            try:
+                coord.call(lambda now: coord.state.allocate_version(now, "m"))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        t = threading.Thread(target=allocate)
+        t.start()
+        assert store.started.wait(10)
+        with pytest.raises(Exception, match="durable store failed"):
+            coord.read(lambda: coord.state.models["m"].counter)  # it saw v2, which is not durable
+        t.join(10)
+        assert errors and "durable store failed" in str(errors[0]) and errors[0].status == 503
+        store.fail = False
+        # Rolled back to what the store holds: the next allocation is 2 again, never a gap.
+        assert coord.call(lambda now: coord.state.allocate_version(now, "m")) == 2
+    finally:
+        coord.close()
+
+
+def test_version_info_is_typed_and_answers_one_version(connect):
+    trainer, reader = connect("trainer"), connect("reader")
+    v = trainer.publish("m", {"w": torch.zeros(8)})
+    info = reader.version_info("m", v)
+    assert info.complete and info.layout_complete("hf") and not info.layout_complete("nope")
+    assert info.layouts["hf"].nbytes == 32 and info.layouts["hf"].num_shards == 1
+    assert [(r.worker_id, r.shard, r.serving) for r in info.replicas] == [("trainer", 0, True)]
+    reader.fetch("m", v)  # serves it too
+    assert sorted(r.worker_id for r in reader.version_info("m", v).replicas) == ["reader", "trainer"]
+    assert reader.version_info("m", v + 5) is None and reader.version_info("nope", 1) is None

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
-from tensorhub import ConfigError, envs
+from tensorhub import ConfigError, HubConfig, envs
 
 __all__ = ["Settings", "SettingsError"]
 
@@ -133,6 +133,16 @@ class Settings:
             val = getattr(self, key)
             if not isinstance(val, (int, float)) or isinstance(val, bool) or val <= 0:
                 raise bad(key, f"must be a positive number, got {val!r}")
+
+    def hub_config(self, worker_id: str) -> HubConfig:
+        """The Hub's configuration for one rank (``tensorhub.HubConfig``: the same
+        argument > environment > default resolution as every Hub); a bad value is a
+        one-line settings error."""
+        try:
+            return HubConfig.resolve(self.coordinator, worker_id=worker_id, locality=self.locality,
+                                     token=self.token, fetch_timeout=self.fetch_timeout)
+        except ConfigError as e:
+            raise SettingsError(f"tensorhub: {e}") from None
 
     def redacted(self) -> dict:
         """For logs: every setting, the token masked."""

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from tensorhub import envs
+
 from .ranks import EngineRanks
 from .settings import Settings, SettingsError
 
@@ -135,24 +137,19 @@ def open_hub(settings: Settings, engine: str, tp_rank: int, tp_size: int, pp_ran
     import tensorhub
 
     _probe(settings)
-    base = settings.worker_id or os.environ.get("TENSORHUB_WORKER_ID") or \
-        f"{engine}-{socket.gethostname()}-{os.getpid()}"
+    base = envs.pick(settings.worker_id, "TENSORHUB_WORKER_ID") or f"{engine}-{socket.gethostname()}-{os.getpid()}"
     wid = base + (f"-tp{tp_rank}" if tp_size > 1 else "") + (f"-pp{pp_rank}" if pp_rank else "")
     try:
-        return tensorhub.connect(settings.coordinator, worker_id=wid, locality=settings.locality,
-                                 token=settings.token, fetch_timeout=settings.fetch_timeout)
+        return tensorhub.connect(config=settings.hub_config(wid))
     except tensorhub.UnauthorizedError as e:
         raise SettingsError(f"tensorhub: setting 'token': the coordinator at {settings.coordinator} "
                             f"refused it ({e.message})") from None
 
 
-def version_status(hub: Any, model: str, version: int) -> Optional[dict]:
-    """The coordinator's status entry of ``model`` ``version`` (``complete``, ``layouts``,
-    ``replicas``); None when it knows no such version."""
-    for m in hub.api.status()["models"]:
-        if m["model"] == model:
-            return next((v for v in m["versions"] if v["version"] == version), None)
-    return None
+def version_status(hub: Any, model: str, version: int) -> Any:
+    """``model`` ``version`` as the coordinator sees it now (``tensorhub`` ``VersionView``:
+    ``.complete``, ``.layouts``, ``.replicas``); None when it knows no such version."""
+    return hub.version_info(model, version)
 
 
 # ---------------------------------------------------------------- resolve
@@ -171,15 +168,14 @@ def _resolve_here(st: WorkerState, requested: Any, on_missing: str, what: str) -
 
     s, hub = st.settings, st.hub
     if requested != "latest":
-        st_all = hub.api.status()
-        m = next((m for m in st_all["models"] if m["model"] == s.model), None)
-        if m is None:
-            raise SettingsError(f"tensorhub: setting 'model': unknown model {s.model!r} on {s.coordinator}")
-        vi = next((v for v in m["versions"] if v["version"] == requested), None)
-        if vi is None or not vi["complete"]:
-            have = [v["version"] for v in m["versions"] if v["complete"]]
+        try:
+            newest = hub.latest(s.model)
+        except tensorhub.NotFoundError:
+            raise SettingsError(f"tensorhub: setting 'model': unknown model {s.model!r} on {s.coordinator}") from None
+        vi = hub.version_info(s.model, requested)
+        if vi is None or not vi.complete:
             raise SettingsError(f"tensorhub: {what}: {s.model!r} has no complete version {requested} "
-                                f"(complete: {have or 'none'})")
+                                f"(newest complete: {newest or 'none'})")
         return int(requested)
     try:
         return hub.latest(s.model) or _missing(st, on_missing, f"model {s.model!r} has no complete version yet")

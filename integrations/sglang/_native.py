@@ -86,7 +86,7 @@ def choose_layout(st: WorkerState, version: int) -> str:
         return "hf"
     try:
         v = version_status(st.hub, st.settings.model, version)
-        if v is not None and v["layouts"].get(st.layout, {}).get("complete"):
+        if v is not None and v.layout_complete(st.layout):
             return st.layout
     except Exception as e:
         logger.warning("tensorhub: could not read the coordinator's status (%s); reading hf", e)

@@ -182,12 +182,12 @@ class SeedServer:
                 raise SeedError(503, f"tensorhub seed: {open_} leases open (max_leases {self.max_leases}); "
                                      "ask again once one lapses")
             try:
-                grant = self.hub._acquire(self.model, v, layout, rank, set(), time.monotonic() + 10)
+                grant = self.hub.lease(self.model, v, layout=layout, shard=rank, timeout=10)
             except tensorhub.TensorHubError as e:
                 raise SeedError(404, f"tensorhub seed: {e}") from None
             picked = self._answer(grant, rank)
             if picked is None:
-                self.hub._release(grant.lease_id)
+                self.hub.release(grant.lease_id)
                 raise SeedError(404, f"tensorhub seed: no complete replica of {self.model!r} v{v} shard {rank} yet")
             now = time.monotonic()
             lease = _Lease(grant.lease_id, picked[0], picked[1], now + self.lease_seconds, now + grant.ttl / 3)
@@ -243,24 +243,22 @@ class SeedServer:
         return r.replica_id, {"rank": rank, "remote_instance_transfer_engine_info": [r.endpoint, weights]}
 
     def _layout(self, v: int) -> tuple[str, int]:
-        st = self.hub.api.status()
-        m = next((m for m in st["models"] if m["model"] == self.model), None)
-        vi = None if m is None else next((x for x in m["versions"] if x["version"] == v), None)
+        vi = self.hub.version_info(self.model, v)
         if vi is None:
             raise SeedError(404, f"tensorhub seed: {self.model!r} has no version {v}")
-        native = {k: li for k, li in vi["layouts"].items() if k != "hf" and li["complete"]}
+        native = {k: li for k, li in vi.layouts.items() if k != "hf" and li.complete}
         if self.layout is not None:
-            li = vi["layouts"].get(self.layout)
-            if li is None or not li["complete"]:
+            li = vi.layouts.get(self.layout)
+            if li is None or not li.complete:
                 raise SeedError(404, f"tensorhub seed: {self.model!r} v{v} has no complete layout {self.layout} "
                                      f"(complete engine-native layouts: {sorted(native) or 'none'})")
-            return self.layout, li["num_shards"]
+            return self.layout, li.num_shards
         if len(native) != 1:
             why = "none; start an engine with --load-format tensorhub (native on)" if not native else \
                 f"several ({', '.join(sorted(native))}); pass --layout"
             raise SeedError(404, f"tensorhub seed: {self.model!r} v{v}: complete engine-native layouts: {why}")
         (name, li), = native.items()
-        return name, li["num_shards"]
+        return name, li.num_shards
 
     # ------------------------------------------------------------------ leases
     def _lease_loop(self) -> None:
@@ -276,7 +274,7 @@ class SeedServer:
             renew = [(k, e) for k, e in self._leases.items() if e.renew_at <= now]
         for e in gone:
             try:
-                self.hub._release(e.lease_id)
+                self.hub.release(e.lease_id)
             except Exception as exc:  # expired or coordinator away: the lease lapses by itself
                 logger.debug("tensorhub seed: release %s: %s", e.lease_id, exc)
         for k, e in renew:

@@ -104,9 +104,8 @@ def available(hub: Any, model: str, version: int, layout: str, shard: int) -> bo
     """Whether ``version`` is complete in ``layout`` (every shard registered once) and a
     replica of ``shard`` serves it now (not draining, suspect or partial)."""
     v = worker.version_status(hub, model, version)
-    return v is not None and bool(v["layouts"].get(layout, {}).get("complete")) and any(
-        r["layout"] == layout and r["shard"] == shard and not r["draining"]
-        and not r["suspect"] and r["partial"] is None for r in v["replicas"])
+    return v is not None and v.layout_complete(layout) and any(
+        r.layout == layout and r.shard == shard and r.serving for r in v.replicas)
 
 
 def publish(st: Any, model: Any) -> bool:

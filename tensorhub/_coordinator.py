@@ -1,0 +1,269 @@
+"""The coordinator process's core: the state machine, its durable store, the lock and the
+clock (what the HTTP routes of ``coordinator.py`` call), and, on etcd, its leadership.
+
+Each call runs one state-machine method under ``lock`` (microseconds) and queues its
+durable writes; they are committed after the lock is let go, batched (group commit), and
+a call is answered only once what it saw is durable -- except soft calls (registry only:
+heartbeats, renewals, releases, reports), which never wait for the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from ._catalog import Catalog
+from ._exceptions import CoordinatorError
+from ._metrics import CoordinatorMetrics
+from ._state import CoordinatorState, StateConfig
+from ._store import SqliteStore
+
+__all__ = ["Coordinator", "NOT_LEADER", "ha_coordinator"]
+
+logger = logging.getLogger("tensorhub.coordinator")
+
+#: The ``code`` of answers from a coordinator that does not lead (HA on etcd): 307 with
+#: ``Location`` (and ``leader`` in the body) when it knows the leader, else 503.
+NOT_LEADER = "not_leader"
+
+
+
+class _Watch:
+    """Waiters for a model's next complete version, woken by the publish that completes
+    it (no polling). Waiters live on the server's event loop; ``notify`` may be called from
+    any thread."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[str, set[asyncio.Future]] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def register(self, model: str) -> asyncio.Future:
+        """Register before reading the state (a version completing in between wakes it)."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        fut = loop.create_future()
+        self._waiters.setdefault(model, set()).add(fut)
+        return fut
+
+    def forget(self, model: str, fut: asyncio.Future) -> None:
+        ws = self._waiters.get(model)
+        if ws is not None:
+            ws.discard(fut)
+            if not ws:
+                del self._waiters[model]
+
+    def notify(self, models: set[str]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, models)
+
+    def _wake(self, models: set[str]) -> None:
+        for m in models:
+            for fut in self._waiters.pop(m, ()):
+                if not fut.done():
+                    fut.set_result(None)
+
+
+class Coordinator:
+    """State machine + durable store + lock + clock: what the HTTP routes call.
+
+    With an ``election`` (highly available coordinators on etcd, ``_election``) the state
+    is built when this process is elected (from the store, as after a restart: a new
+    epoch) and every call first checks that it still leads; a commit etcd refuses makes
+    it step down, and the request is answered ``not_leader``, never as if it were durable."""
+
+    def __init__(self, state_dir: Optional[str | os.PathLike], config: StateConfig = StateConfig(),
+                 clock: Callable[[], float] = time.monotonic, *, store: Any = None, election: Any = None) -> None:
+        self.clock = clock
+        self.config = config
+        self.store = SqliteStore(state_dir) if store is None else store
+        self.store.open()
+        self.lock = threading.Lock()
+        #: ``latest?wait=`` requests, woken when their model's newest version changes.
+        self.watch = _Watch()
+        #: Group commit: writes queued (in order) since the last commit; the sequence
+        #: number of the newest queued batch, and of the newest durable one; batches the
+        #: store refused (lo, hi, the error their callers get).
+        self._commit_lock = threading.Lock()
+        self._queued: list[list] = []
+        self._seq = self._durable = 0
+        self._lost: list[tuple[int, int, CoordinatorError]] = []
+        self.election = election
+        #: An elected coordinator whose state is loaded (always True without an election).
+        self.serving = election is None
+        self.state = CoordinatorState.restore(self.store.load() if election is None else [], config, now=clock())
+        self.metrics = CoordinatorMetrics(lambda: self.read(lambda: self.state.metrics_view(self.clock()),
+                                                            check=False, soft=True), start_time=time.time())
+        if election is not None:
+            election.on_elected, election.on_deposed = self._elected, self._deposed
+            self.metrics.track_election(election)
+        else:
+            logger.info(
+                "coordinator epoch %s on %s (%d models restored)",
+                self.state.epoch, self.store.path, len(self.state.models),
+            )
+
+    # ------------------------------------------------------------- leadership (HA)
+    def leading(self) -> bool:
+        """May this process answer requests now? (Always, without an election.)"""
+        return self.election is None or (self.serving and self.election.leading())
+
+    def leader_url(self) -> Optional[str]:
+        return None if self.election is None else self.election.leader_url()
+
+    def _check_leader(self) -> None:
+        if not self.leading():
+            raise CoordinatorError("this coordinator is not the leader", NOT_LEADER, status=503)
+
+    def _elected(self, fence: int) -> None:
+        with self.lock:
+            self.state = CoordinatorState.restore(self.store.load(), self.config, now=self.clock())
+            self.serving = True
+        logger.warning("coordinator epoch %s leads on %s (%d models restored)",
+                       self.state.epoch, self.store.path, len(self.state.models))
+
+    def _deposed(self, why: str) -> None:
+        self.serving = False  # no lock: resign() may run under it; the state is rebuilt when elected
+
+    # ------------------------------------------------------------- calls and durability
+    # A call runs its state-machine method under ``lock`` (microseconds) and queues the
+    # method's durable writes; the commit to the store happens after the lock is let go,
+    # batched with whatever else is queued (group commit, under ``_commit_lock``). A call
+    # is answered only once everything it saw is durable -- its own writes, and writes of
+    # others its answer may depend on -- except *soft* calls (heartbeats, renewals,
+    # releases, reports: registry only), which never wait for the disk. So a slow disk
+    # does not stall heartbeats, and nothing a client was told is lost by a crash.
+    def call(self, fn: Callable[..., Any], *args: Any, soft: bool = False) -> Any:
+        """Run one state-machine method; unless ``soft``, answer once durable."""
+        result, seq = self._apply(fn, args)
+        if not soft:
+            self.sync(seq)
+        return result
+
+    async def acall(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``call`` for the event loop: waiting for a commit runs on a thread."""
+        result, seq = self._apply(fn, args)
+        if self._durable < seq:
+            await asyncio.to_thread(self.sync, seq)
+        else:
+            self._check_lost(seq)
+        return result
+
+    def read(self, fn: Callable[..., Any], *args: Any, check: bool = True, soft: bool = False) -> Any:
+        with self.lock:
+            if check:
+                self._check_leader()
+            result, seq = fn(*args), self._seq
+        if not soft:
+            self.sync(seq)
+        return result
+
+    async def aread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``read`` for the event loop."""
+        with self.lock:
+            self._check_leader()
+            result, seq = fn(*args), self._seq
+        if self._durable < seq:
+            await asyncio.to_thread(self.sync, seq)
+        else:
+            self._check_lost(seq)
+        return result
+
+    def _apply(self, fn: Callable[..., Any], args: tuple) -> tuple[Any, int]:
+        with self.lock:
+            self._check_leader()
+            try:
+                result = fn(self.clock(), *args)
+            finally:
+                completed = self.state.catalog.take_completed()
+                if completed:
+                    self.watch.notify(completed)
+                writes = self.state.take_writes()
+                if writes:
+                    self._seq += 1
+                    self._queued.append(writes)
+            return result, self._seq
+
+    def sync(self, seq: int) -> None:
+        """Return once every write queued up to ``seq`` is durable (committing what is
+        queued, if no one else is); raise if the store refused them."""
+        if self._durable < seq:
+            with self._commit_lock:
+                if self._durable < seq:
+                    with self.lock:
+                        batch, self._queued, upto = self._queued, [], self._seq
+                    try:
+                        self.store.commit([w for ws in batch for w in ws])
+                    except Exception as e:
+                        self._commit_failed(e)
+                        raise self._lost[-1][2] from None
+                    self._durable = upto
+        self._check_lost(seq)
+
+    def _commit_failed(self, e: Exception) -> None:
+        """Memory ran ahead of the store: every queued write (and what was applied on top
+        of it) is lost; whoever waits on one of them gets the error."""
+        with self.lock:
+            lo, hi = self._durable, self._seq
+            self._queued = []
+            if self.election is not None:
+                # Refused (deposed) or unknown outcome: never answer it; whoever leads next
+                # rebuilds from etcd.
+                logger.warning("store commit failed (%s); stepping down", e)
+                self.serving = False
+                err: CoordinatorError = CoordinatorError(f"not committed, stepped down: {e}", NOT_LEADER, status=503)
+            else:
+                logger.error("store commit failed (%s); reloading durable state", e)
+                self._reload()
+                err = CoordinatorError(f"the durable store failed ({type(e).__name__}: {e}); not committed, "
+                                       "retry", "store_failed", status=503)
+            self._lost = (self._lost + [(lo, hi, err)])[-16:]
+            self._durable = hi
+        if self.election is not None:
+            self.election.resign(f"commit failed: {e}")
+
+    def _check_lost(self, seq: int) -> None:
+        for lo, hi, err in self._lost:
+            if lo < seq <= hi:
+                raise err
+
+    def _reload(self) -> None:
+        """Memory ran ahead of disk: the catalog is read back from the store; the soft
+        registry (and everything else in memory) stays."""
+        self.state.catalog = Catalog.restore(self.store.load())
+
+    def expire(self) -> None:
+        """The periodic tick: dead workers, lapsed leases, retention (its writes committed)."""
+        if not self.leading():
+            return
+        dead = self.call(lambda now: self.state.expire(now))
+        for wid in dead:
+            logger.warning("worker %s stopped heart-beating; its replicas were dropped", wid)
+
+    def close(self) -> None:
+        if self.election is not None:
+            self.election.stop()
+        self.store.close()
+
+
+
+def ha_coordinator(store_url: str, advertise_url: str, config: StateConfig = StateConfig(), *,
+                   election_ttl: float = 2.0, etcd_ca_file: Optional[str] = None,
+                   etcd_cert_file: Optional[str] = None, etcd_key_file: Optional[str] = None) -> Coordinator:
+    """A coordinator on etcd (``--store etcd://...``) that leads only when elected.
+    Raises ``ConfigError`` for a malformed URL, ``EtcdUnavailable`` when no member answers."""
+    from ._election import Election
+    from ._store_etcd import EtcdStore
+
+    tls = dict(ca_file=etcd_ca_file, cert_file=etcd_cert_file, key_file=etcd_key_file)
+    store = EtcdStore(store_url, **tls)
+    store.open()
+    election = Election(store.etcd, store.prefix, advertise_url.rstrip("/"), ttl=election_ttl)
+    store.fence = election.fence
+    coord = Coordinator(None, config, store=store, election=election)
+    election.start()
+    return coord
