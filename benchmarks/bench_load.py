@@ -511,6 +511,7 @@ class _Fleet:
         self.phase: Optional[Phase] = None
         self.setup_errors: dict[str, int] = {}
         self.lease_ttl = 30.0
+        self.holding: dict[str, bytes] = {}  # worker -> its replica's registration (re-sent after expiry)
         self.hb_skipped = 0  # heartbeats not sent: 4,096 already waiting for an answer
         self.expired = 0  # heartbeats answered 404: the coordinator had dropped the worker
 
@@ -546,13 +547,13 @@ class _Fleet:
         errs[k] = errs.get(k, 0) + 1
 
     # ---- setup
-    async def register(self, ids: list[str], start: int = 0) -> None:
+    async def register(self, ids: list[str], start: int = 0, pool: Optional[_Pool] = None) -> None:
         sem = asyncio.Semaphore(64)
         zones = ["z1", "z2", "z3", "z4"]
 
         async def one(i: int, w: str) -> None:
             async with sem:
-                _, r = await self.call("register", "POST", "/v1/workers", {
+                _, r = await self.call("register", "POST", "/v1/workers", pool=pool, body={
                     "worker_id": w, "endpoint": f"127.0.0.1:{20000 + i % 40000}",
                     "locality": {"datacenter": "dc1", "zone": zones[i % len(zones)], "host": f"h{i // 8}"}})
                 if r:
@@ -566,8 +567,9 @@ class _Fleet:
         if not r or "version" not in r:
             raise RuntimeError(f"the trainer could not publish: {self.setup_errors}")
         v = int(r["version"])
-        await self.call("publish", "POST", "/v1/replicas", raw=_replica_body(trainer, model, v, manifest_json,
-                                                                           addresses_json))
+        body = _replica_body(trainer, model, v, manifest_json, addresses_json)
+        await self.call("publish", "POST", "/v1/replicas", raw=body)
+        self.holding[trainer] = body
         return v
 
     # ---- heartbeats, all phases long
@@ -582,9 +584,12 @@ class _Fleet:
             ph = self.phase
             st, _ = await self.call("heartbeat", "POST", f"/v1/workers/{w}/heartbeat", {}, pool=self.hb,
                                     lat=ph.heartbeat if ph is not None else None, parse=False)
-            if st == 404:  # expired (heartbeats answered too late): register again, as the Hub does
-                self.expired += 1
-                await self.register([w], start=k)
+            if st == 404:  # expired (heartbeats answered too late): register again, as the Hub does,
+                self.expired += 1  # the trainer with its replica of the measured version
+                await self.register([w], start=k, pool=self.hb)  # not a reader's call
+                again = self.holding.get(w)
+                if again is not None:
+                    await self.call("publish", "POST", "/v1/replicas", raw=again, pool=self.hb)
 
         while not stop.is_set():
             now = loop.time()

@@ -70,6 +70,8 @@ class Fetched(dict):
     seconds: float
     sources: dict[str, int]
     failed_sources: list[str]
+    #: How the bytes came through deltas (``_delta_path.DeltaRead``), or None: a full read.
+    delta: Any = None
 
     @property
     def gbps(self) -> float:

@@ -30,7 +30,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from . import _holder, _tensors
+from . import _delta_path, _holder, _tensors
 from ._client import CoordinatorClient
 from ._exceptions import ConfigError, HubClosedError, NotFoundError, HubTimeoutError, TensorHubError
 from ._fencing import LeaseClock, Quarantine
@@ -159,15 +159,25 @@ class Hub:
         return _tensors.empty_like(tensors)
 
     def publish(self, model: str, tensors: Mapping[str, Any], *, version: Optional[int] = None,
-                layout: str = "hf", shard: int = 0, num_shards: int = 1) -> int:
+                layout: str = "hf", shard: int = 0, num_shards: int = 1, base: Optional[int] = None,
+                base_tensors: Optional[Mapping[str, Any]] = None) -> int:
         """Register ``tensors`` in place as ``model``'s version (new when ``version`` is None).
 
         No copy: the tensors must stay unchanged until ``unpublish`` returns. With several
         shards, one rank publishes with ``version=None`` and passes the number it got to the
-        others (``version=v``). The version is complete once every shard has a replica."""
+        others (``version=v``). The version is complete once every shard has a replica.
+
+        ``base=b``: also publish the version's delta against v``b`` (layout ``delta:<b>``,
+        ``tensorhub._delta_path``), which readers holding v``b`` fetch instead of the full
+        bytes. The base is this process's replica of v``b``, or ``base_tensors`` (exactly
+        v``b``'s bytes; checked against its checksums before anything is published)."""
         self._check_open()
-        return _holder.publish(self._session, self._holdings, self.checksum, model, tensors, version=version,
-                               layout=layout, shard=shard, num_shards=num_shards)
+        if base is None and base_tensors is None:
+            return _holder.publish(self._session, self._holdings, self.checksum, model, tensors, version=version,
+                                   layout=layout, shard=shard, num_shards=num_shards)
+        return _delta_path.publish_with_delta(self._session, self._holdings, self.checksum, model, tensors,
+                                              base, base_tensors, version=version, layout=layout, shard=shard,
+                                              num_shards=num_shards)
 
     def unpublish(self, model: str, version: int, *, timeout: Optional[float] = None,
                   retain_on_cpu: Optional[bool] = None) -> None:
@@ -218,7 +228,7 @@ class Hub:
               into: Optional[Mapping[str, Any]] = None, serve: bool = True, group: Optional[str] = None,
               timeout: Optional[float] = None,
               progress: Optional[Callable[[FetchProgress], None]] = None,
-              names: Optional[Iterable[str]] = None) -> Fetched:
+              names: Optional[Iterable[str]] = None, base: Optional[int] = None) -> Fetched:
         """Read ``model`` v``version`` (newest complete when None) from the holders the
         coordinator picks, into ``into`` (checked tensor by tensor) or new tensors.
 
@@ -230,7 +240,14 @@ class Hub:
         and once more at its end (``done=True``); without it, progress goes to the log.
         ``names``: read only these tensors (``serve`` must be False; ``into`` then needs only
         them); :meth:`manifest` lists a version's tensors. Streaming a version in bounded
-        buckets is a loop of such fetches into one reused buffer."""
+        buckets is a loop of such fetches into one reused buffer.
+
+        Deltas (``tensorhub._delta_path``): when this process serves an older version of
+        the same layout and shard, or ``into`` holds exactly v``base`` (``base=``), and
+        published deltas move fewer bytes than the full version, the deltas are read and
+        applied (into a new buffer, or ``into`` in place), checked against the version's
+        checksums, and served too; any delta problem reads the full version instead (and
+        logs why). ``result.delta`` says how (None: read in full)."""
         self._check_open()
         if names is not None:
             names = list(dict.fromkeys(names))
@@ -244,7 +261,7 @@ class Hub:
         t0 = time.monotonic()
         try:
             with self.api.bounded(deadline + _RELEASE_GRACE):
-                f = self._fetch(model, version, layout, shard, into, serve, group, deadline, track, names)
+                f = self._fetch(model, version, layout, shard, into, serve, group, deadline, track, names, base)
         except BaseException:
             self._account(model, layout, shard, track, None, t0)
             raise
@@ -277,16 +294,24 @@ class Hub:
 
     def _fetch(self, model: str, version: Optional[int], layout: str, shard: int,
                into: Optional[Mapping[str, Any]], serve: bool, group: Optional[str], deadline: float,
-               track: Track, names: Optional[list[str]] = None) -> Fetched:
+               track: Track, names: Optional[list[str]] = None, base: Optional[int] = None) -> Fetched:
         if version is None:
             version = self.resolve(model, group=group)
         elif not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ConfigError(f"version must be a positive int, got {version!r}")
+        if base is not None:  # delta versions (issue #16)
+            _delta_path.check_fetch_base(base, version, into, names)
         held = self._holdings.get((model, version, layout, shard))
         if held is not None:  # we hold it already: no transfer
             return copy_held(held, into, names, self._holdings, self.worker_id)
         track.version = version
         opts = FetchOptions(self.max_sources, self.chunk_bytes, self.progress_timeout, self.checksum)
+        if names is None:  # delta versions (issue #16): None -> read in full
+            f = _delta_path.fetch_through_delta(self._session, self._holdings, opts, model, version, layout, shard,
+                                                into=into, base=base, serve=serve, deadline=deadline, track=track,
+                                                pipelined=self.pipelined)
+            if f is not None:
+                return f
         return Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into, serve=serve,
                      deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
 

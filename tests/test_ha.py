@@ -173,6 +173,22 @@ def test_store_contract_round_trips_the_same_rows(store):
     assert CoordinatorState.restore(store.load(), now=0.0).models["m"].counter == 4
 
 
+def test_store_contract_retire_drops_a_versions_rows(store):
+    """Retention's ``retire``: the version's version, layout and manifest rows go (only
+    that version's: v1 must not take v10's), the counter and other versions stay."""
+    from tensorhub._wire import Manifest
+
+    man = Manifest.model_validate({"tensors": [{"name": "w", "dtype": "float32", "shape": [1], "nbytes": 4}]})
+    rows = [("model", ("m",), 10)]
+    for v in (1, 10):
+        rows += [("version", ("m", v), 1.0), ("layout", ("m", v, "hf"), 2),
+                 ("manifest", ("m", v, "hf", 0), man), ("manifest", ("m", v, "hf", 1), man)]
+    store.commit(rows)
+    store.commit([("retire", ("m", 1), None)])
+    left = _norm(store.load())
+    assert left == _norm([r for r in rows if not (r[0] != "model" and r[1][1] == 1)])
+
+
 def test_store_url_errors_are_clear():
     from tensorhub._exceptions import ConfigError
     from tensorhub._store_etcd import parse_store_url

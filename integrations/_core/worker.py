@@ -200,20 +200,26 @@ def _missing(st: WorkerState, on_missing: str, why: str) -> Optional[int]:
 
 # ---------------------------------------------------------------- fetch
 def fetch(st: WorkerState, version: int, layout: str = "hf", *, shard: int = 0,
-          into: Optional[Mapping[str, Any]] = None) -> Any:
+          into: Optional[Mapping[str, Any]] = None, base: Optional[int] = None) -> Any:
     """Fetch ``version`` into ``into`` (a spare copy: memory already touched, so no page
     faults) or new memory. ``hf`` is registered when this rank serves; a native ``layout``'s
-    ``shard`` never is (the parameters are, once it is copied over them)."""
+    ``shard`` never is (the parameters are, once it is copied over them). Through deltas
+    when this rank serves an older version or ``into`` holds v``base`` (``Hub.fetch``);
+    a delta that does not verify is logged and the full version read."""
     s = st.settings
     t0 = time.monotonic()
     native = layout != "hf"
     got = st.hub.fetch(s.model, version, layout=layout, shard=shard if native else 0,
-                       serve=st.serving and not native, timeout=s.fetch_timeout, into=into)
-    logger.info("tensorhub: fetched %s v%d (%s): %.1f MB in %.2fs (%.2f GB/s) from %s%s%s",
+                       serve=st.serving and not native, timeout=s.fetch_timeout, into=into,
+                       base=base if into is not None and not native else None)
+    d = getattr(got, "delta", None)
+    logger.info("tensorhub: fetched %s v%d (%s): %.1f MB in %.2fs (%.2f GB/s) from %s%s%s%s",
                 s.model, version, layout, got.nbytes / 1e6,
                 time.monotonic() - t0, got.gbps, got.sources,
                 f"; failed sources {got.failed_sources}" if got.failed_sources else "",
-                "; into the kept copy of an older version" if into is not None else "")
+                "; into the kept copy of an older version" if into is not None else "",
+                f"; through delta(s) {d.steps} ({100 * d.nbytes / max(1, d.full_nbytes):.1f}% of the version)"
+                if d is not None else "")
     return got
 
 

@@ -126,7 +126,12 @@ class _Mixin:
                     got = st.prefetcher.take(v, s.fetch_timeout)
                     prefetched = got is not None
                 if got is None:
-                    got = worker.fetch(st, v, into=st.take_spare())
+                    spare = st.take_spare()
+                    # Not serving: the spare is the running version's fetched copy (delta base;
+                    # checked against its checksums before any delta is applied).
+                    got = worker.fetch(st, v, into=spare,
+                                       base=old_v if spare is not None and not st.serving and old_v is not None
+                                       and old_v < v else None)
                 load.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
                 # The parameters are served in place: no reader may be reading them when
                 # they change. Unpublish the running version (every layout) and let it drain.

@@ -1,0 +1,115 @@
+"""A real vLLM CPU engine swapping through deltas (issue #16).
+
+Engine A (offline ``vllm.LLM``, ``--load-format tensorhub``, ``on_missing="disk"``) loads v1
+from its weight files and serves its ``hf`` copy. The trainer (this process) publishes v2
+with ``base=1`` (a few % of the elements changed): A's swap reads only the delta, applies
+it to a copy of the v1 it serves, and its outputs equal a fresh engine's on v2's files.
+Then v3's delta is wrong (an encoder bug, consistent checksums): A's swap detects it,
+says so, reads v3 in full, and its outputs equal a fresh engine's on v3's files.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _engines import Coordinator, OfflineEngine, require_vllm
+from _tiny import PROMPTS, make_model_dir, make_weights
+
+pytestmark = pytest.mark.engine
+
+MODEL = "policy"
+
+
+def _changed(prev: dict, seed: int, frac: float = 0.03) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, t in prev.items():
+        t = t.clone()
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(frac * flat.numel()))]
+        flat[idx] += 0.5 * torch.randn(idx.numel(), generator=g)
+        out[k] = t
+    return out
+
+
+def _save_dir(path, weights: dict):
+    from safetensors.torch import save_file
+
+    d = make_model_dir(path, weights=False)
+    save_file(weights, str(d / "model.safetensors"))
+    return d
+
+
+def _swap(a: OfflineEngine, v: int) -> None:
+    a.call("start_weight_update")
+    a.call("update_weights", update_info={"version": v})
+    a.call("finish_weight_update", weight_version=str(v))
+    assert a.call("weight_version") == str(v)
+
+
+def _reference(tmp, name: str, weights: dict) -> dict:
+    c = OfflineEngine(tmp / f"{name}.log", model=str(_save_dir(tmp / name, weights)))
+    try:
+        return c.call("generate", prompts=PROMPTS)
+    finally:
+        c.close()
+
+
+def test_vllm_swaps_through_a_delta_and_falls_back_on_a_bad_one(tmp_path, monkeypatch):
+    require_vllm()
+    import tensorhub
+    from tensorhub import _delta
+
+    coord = Coordinator(tmp_path / "state")
+    a = trainer = None
+    try:
+        w1 = make_weights(0)
+        a = OfflineEngine(tmp_path / "a.log", model=str(make_model_dir(tmp_path / "v1", seed=0)),
+                          load_format="tensorhub",
+                          model_loader_extra_config={"coordinator": coord.url, "model": MODEL,
+                                                     "on_missing": "disk", "worker_id": "engine-a"},
+                          weight_transfer_config={"backend": "tensorhub"})
+        out1 = a.call("generate", prompts=PROMPTS)
+        a.call("init_weight_transfer_engine", init_info={})
+        trainer = tensorhub.connect(coord.url, worker_id="trainer")
+
+        w2 = _changed(w1, 2)
+        v2 = trainer.publish(MODEL, w2, base=1, base_tensors=w1)
+        delta = sum(s.nbytes for s in trainer.manifest(MODEL, v2, layout="delta:1"))
+        full = sum(t.numel() * 4 for t in w2.values())
+        assert delta < 0.15 * full
+        _swap(a, v2)
+        log = a.log_tail(200_000)
+        assert "through delta(s) [(1, 2)]" in log, log[-3000:]
+        ref2 = _reference(tmp_path, "ref2", w2)
+        assert a.call("generate", prompts=PROMPTS)["ids"] == ref2["ids"]
+        assert ref2["ids"] != out1["ids"]
+
+        real = _delta.encode
+
+        def wrong(base, new, itemsize, **kw):  # an encoder bug: one new value off by one bit
+            e = real(base, new, itemsize, modes=(_delta.SAME, _delta.SPARSE))
+            if e.mode != _delta.SPARSE:
+                return e
+            b = bytearray(e.blob)
+            b[16 + 8 + 4 * e.changed] ^= 0x01
+            return _delta.Encoded(bytes(b), e.mode, e.changed, e.elements)
+
+        monkeypatch.setattr(_delta, "encode", wrong)
+        w3 = _changed(w2, 3)
+        v3 = trainer.publish(MODEL, w3, base=v2, base_tensors=w2)
+        monkeypatch.setattr(_delta, "encode", real)
+        _swap(a, v3)
+        log = a.log_tail(200_000)
+        assert "delta from v2 not used, reading the full version instead" in log, log[-3000:]
+        assert "does not match its checksum" in log
+        ref3 = _reference(tmp_path, "ref3", w3)
+        assert a.call("generate", prompts=PROMPTS)["ids"] == ref3["ids"]
+    finally:
+        if a is not None:
+            a.close()
+        if trainer is not None:
+            trainer.close()
+        coord.stop()
