@@ -472,6 +472,9 @@ class Fetch:
                     self.policy.failed(failure)
                 finally:
                     unregister_regions(self.transport, self.regions)
+            # Break the fetch <-> policy cycle: new memory freed by the caller is then freed
+            # (reused, page faults already paid: transport/_shm) at once, not at the next gc.
+            self.policy.f = None  # type: ignore[assignment]
 
     def _attempts(self, grant: LeaseGrant, reader: ShardReader, prog: Any) -> tuple[int, float, dict, list]:
         """Read until every chunk was read under a lease still trusted at its release."""

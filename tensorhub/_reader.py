@@ -145,8 +145,15 @@ class ShardReader:
             except Exception as e:  # reporting is best effort
                 logger.debug("could not report %s: %s", src.replica_id, e)
 
+        leases: set[str] = set()
+
+        def sources_of(excluded: set[str]) -> list[Source]:
+            got = get_sources(excluded)
+            leases.update(s.lease_id for s in got)
+            return got
+
         try:
-            self._loop(todo, inflight, failed, sources, stats, fail, get_sources, deadline, on_tick)
+            self._loop(todo, inflight, failed, sources, stats, fail, sources_of, deadline, on_tick)
         except BaseException as e:
             self._drain(inflight)
             if isinstance(e, FetchError) and self.mismatched:
@@ -154,8 +161,18 @@ class ShardReader:
                 raise FetchError(f"{e}; {len(self.mismatched)} source(s) excluded after a checksum "
                                  f"mismatch ({bad})") from e
             raise
+        finally:
+            if hasattr(self.t, "forget"):  # same-host reads: close the holders' fds (transport/_shm)
+                self.t.forget(leases | {s.lease_id for s in sources})
         stats.seconds = time.monotonic() - t0
         return stats
+
+    def _submit(self, src: Source, ops: list[ReadOp]) -> int:
+        """Submit one batch from ``src``; a same-host transport (``transport/_shm``) is told
+        the source (its lease and replica), which it needs to copy from the holder's memory."""
+        if hasattr(self.t, "submit_from"):
+            return self.t.submit_from(src, ops)
+        return self.t.submit_read(src.endpoint, ops)
 
     def _drain(self, inflight: dict[int, "_Inflight"]) -> None:
         """After an error: wait (bounded) until no batch can still write into local memory."""
@@ -237,7 +254,7 @@ class ShardReader:
                         continue
                     need.remove(c)
                     try:
-                        h = self.t.submit_read(src.endpoint, self._ops(c, src))
+                        h = self._submit(src, self._ops(c, src))
                     except TransferError as e:
                         need.appendleft(c)
                         fail(src, str(e))

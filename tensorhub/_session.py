@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 from urllib.parse import urlparse
 
-from . import envs
+from . import _samehost as samehost, envs
 from ._client import CoordinatorClient
 from ._exceptions import HubClosedError, NotFoundError, TensorHubError
 from ._holdings import Held, Holdings, unregister_regions
@@ -138,6 +138,7 @@ class Session:
             if self._transport is None:
                 host = envs.TENSORHUB_DATA_HOST or data_host(self.url.split(",")[0])
                 self._transport = create_transport(host=host, progress_timeout=self.progress_timeout)
+                self._transport = samehost.wrap(self._transport, self)  # same-host reads (issue #14)
             if not self._transport_started:
                 self._transport.start()
                 self._transport_started = True

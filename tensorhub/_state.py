@@ -618,6 +618,13 @@ class CoordinatorState:
         l.expires = now + self.config.lease_ttl
         return self.config.lease_ttl
 
+    def lease_covers(self, now: float, lease_id: str, replica_id: str, worker_id: str) -> bool:
+        """A holder asks before it hands a same-host reader its memory: is ``lease_id``
+        valid now, ``worker_id``'s, and does it name ``replica_id``? (Reads nothing else.)"""
+        now = self._now(now)
+        l = self.leases.get(lease_id)
+        return l is not None and now <= l.expires and l.worker_id == worker_id and replica_id in l.replica_ids
+
     def release_lease(self, now: float, lease_id: str) -> bool:
         """A reader finished: True if the lease was valid up to now (its bytes are good).
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
+from . import envs
 from ._checksum import compute
 from ._exceptions import ConfigError, TensorMismatchError
 from ._wire import DTYPE_SIZES, Manifest, TensorSpec
@@ -14,7 +15,7 @@ from ._wire import DTYPE_SIZES, Manifest, TensorSpec
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["dtype_name", "manifest_of", "coalesce", "allocate_like", "check_into"]
+__all__ = ["dtype_name", "manifest_of", "coalesce", "allocate_like", "empty_like", "check_into"]
 
 #: Offsets of tensors inside a buffer TensorHub allocates are aligned to this.
 ALIGN = 64
@@ -85,7 +86,7 @@ def allocate_like(manifest: Manifest, device: str = "cpu") -> tuple[Any, dict[st
         total = -(-total // ALIGN) * ALIGN
         offsets.append(total)
         total += spec.nbytes
-    buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    buf = _empty_bytes(max(total, 1), device)
     out: dict[str, Any] = {}
     for spec, off in zip(manifest.tensors, offsets):
         dt = _torch_dtype(spec.dtype)
@@ -94,6 +95,26 @@ def allocate_like(manifest: Manifest, device: str = "cpu") -> tuple[Any, dict[st
         else:
             out[spec.name] = buf[off:off + spec.nbytes].view(dt).view(spec.shape)
     return buf, out
+
+
+def _empty_bytes(nbytes: int, device: str) -> Any:
+    """Bytes the Hub allocates: on CPU a memfd arena that same-host readers can copy from
+    (``transport/_shm``; pooled, so a reuse pays no page faults), else ``torch.empty``."""
+    import torch
+
+    if device == "cpu" and envs.TENSORHUB_SAMEHOST:
+        from .transport import _shm
+
+        return _shm.empty(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def empty_like(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """New CPU tensors with the names, dtypes and shapes of ``tensors``, in one buffer the
+    Hub allocates (same-host readers copy from it at memory speed once it is published).
+    Refuses what ``publish`` would refuse (non-contiguous, unsupported dtype)."""
+    manifest, _ = manifest_of(tensors)
+    return allocate_like(manifest, device="cpu")[1]
 
 
 def check_into(manifest: Manifest, into: Mapping[str, Any]) -> list[int]:

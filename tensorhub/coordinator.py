@@ -369,6 +369,11 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     async def release(lease_id: str = _id()) -> dict:
         return {"valid": coord.call(lambda now: st().release_lease(now, lease_id), soft=True)}
 
+    @app.get("/v1/leases/{lease_id}/covers")
+    async def covers(replica_id: str, worker_id: str, lease_id: str = _id()) -> dict:
+        # same-host reads (transport/_shm): may this reader map that replica's memory?
+        return {"valid": coord.call(lambda now: st().lease_covers(now, lease_id, replica_id, worker_id), soft=True)}
+
     @app.get("/v1/status")
     def status() -> dict:
         out = coord.read(lambda: st().status(coord.clock()))

@@ -133,6 +133,17 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _int("TENSORHUB_STRIPE", 4),
         "Most replicas one fetch reads from at once.",
     ),
+    "TENSORHUB_SAMEHOST": (
+        _bool("TENSORHUB_SAMEHOST", True),
+        "Read from holders on this host by copying from their memfd-backed memory (fds passed "
+        "over a Unix socket under a lease), instead of over the data plane's loopback.",
+    ),
+    "TENSORHUB_SHM_POOL_BYTES": (
+        _int("TENSORHUB_SHM_POOL_BYTES", -1),
+        "Bytes of freed TensorHub-allocated CPU memory kept (pages faulted in) for reuse by "
+        "the next fetch into new memory; 0 frees it at once; -1 (default): the largest "
+        "buffer allocated so far (one model's worth).",
+    ),
 }
 
 

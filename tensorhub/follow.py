@@ -3,7 +3,8 @@
 Engine-neutral: the loop here connects to the coordinator, waits for each newer complete
 version, has the engine's *driver* swap to it, prints one line per swap (the version, the
 stall, the bytes and the holders; a progress line on a terminal while a swap runs longer
-than a second) and keeps going after a failed swap. Drivers register under the entry-point
+than a second) and keeps going after a failed swap. With ``--engine-worker`` it first waits
+until the engine's ``prefetch`` holds the version, so the pause covers only the apply. Drivers register under the entry-point
 group ``tensorhub.engines`` (this package's ``pyproject.toml`` registers ``vllm`` and
 ``sglang`` from ``integrations``); ``tensorhub`` itself imports no engine adapter. A driver
 is picked by the ``--engine`` URL's prefix (``sglang+http://...``); the one with no prefix
@@ -20,7 +21,8 @@ from typing import Any, Callable, Optional, Sequence, TextIO
 
 from .config import HubConfig
 
-__all__ = ["Driver", "ProgressLine", "drivers", "follow", "main", "parser", "pick", "progress_text"]
+__all__ = ["Driver", "ProgressLine", "drivers", "engine_holds", "follow", "main", "parser", "pick", "progress_text",
+           "wait_prefetched"]
 
 #: Entry-point group of engine drivers (each a :class:`Driver`).
 GROUP = "tensorhub.engines"
@@ -141,7 +143,42 @@ def parser(engine_help: str, modes: Sequence[str], doc: str) -> argparse.Argumen
     p.add_argument("--coordinator", help="coordinator URL (default: $TENSORHUB_COORDINATOR)")
     p.add_argument("--token-file", help="file holding the API token (default: $TENSORHUB_TOKEN)")
     p.add_argument("--max-swaps", type=int, default=0, help="stop after this many swaps (0: never)")
+    p.add_argument("--engine-worker", default=None,
+                   help="the engine's TensorHub worker id (its `worker_id` setting; rank suffixes such as "
+                        "-tp1 match too): each swap first waits until that engine holds the new version "
+                        "(its `prefetch`), so the engine pauses only to apply a local copy")
+    p.add_argument("--prefetch-wait", type=float, default=300.0,
+                   help="most seconds a swap waits for the engine's prefetch (then it swaps anyway)")
     return p
+
+
+def engine_holds(status: dict, model: str, version: int, worker: str) -> bool:
+    """Does a worker of the engine (``worker`` or ``worker-<rank suffix>``) hold a complete,
+    serving replica of ``model`` v``version``, by the coordinator's ``status``?"""
+    for m in status.get("models", []):
+        if m["model"] != model:
+            continue
+        for v in m["versions"]:
+            if v["version"] != version:
+                continue
+            return any((r["worker_id"] == worker or r["worker_id"].startswith(worker + "-"))
+                       and not r.get("partial") and not r.get("draining") for r in v["replicas"])
+    return False
+
+
+def wait_prefetched(hub: Any, model: str, version: int, worker: str, timeout: float,
+                    interval: float = 0.2) -> bool:
+    """Wait (up to ``timeout`` s) until the engine's prefetch holds ``version``; True if it does."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            if engine_holds(hub.api.status(retry_timeout=1.0), model, version, worker):
+                return True
+        except Exception:  # coordinator away a moment: keep waiting until the deadline
+            pass
+        if time.monotonic() >= end:
+            return False
+        time.sleep(interval)
 
 
 def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tuple[Optional[int], str]],
@@ -175,6 +212,10 @@ def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tupl
             def show(stall: float, v: int = v) -> None:
                 line.draw(progress_text(hub.api.status(retry_timeout=1.0), args.model, v, stall))
 
+            worker = getattr(args, "engine_worker", None)
+            if worker and not wait_prefetched(hub, args.model, v, worker, args.prefetch_wait):
+                print(f"v{v}: engine worker {worker} did not hold it within {args.prefetch_wait:.0f}s "
+                      f"(prefetch off?); swapping anyway", file=sys.stderr, flush=True)
             try:
                 stall = do_swap(client, v, show)
             except RuntimeError as e:

@@ -30,7 +30,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from . import _delta_path, _holder
+from . import _delta_path, _holder, _tensors
 from ._client import CoordinatorClient
 from ._exceptions import ConfigError, HubClosedError, NotFoundError, HubTimeoutError, TensorHubError
 from ._fencing import LeaseClock, Quarantine
@@ -152,6 +152,12 @@ class Hub:
         self._session.report("swap", body)
 
     # ------------------------------------------------------------------ holder
+    def empty_like(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """New CPU tensors shaped like ``tensors`` (names, dtypes, shapes) in memory the Hub
+        allocates: copy a snapshot into them and ``publish`` them, and readers on this host
+        copy from them at memory speed (``transport/_shm``); other readers are unaffected."""
+        return _tensors.empty_like(tensors)
+
     def publish(self, model: str, tensors: Mapping[str, Any], *, version: Optional[int] = None,
                 layout: str = "hf", shard: int = 0, num_shards: int = 1, base: Optional[int] = None,
                 base_tensors: Optional[Mapping[str, Any]] = None) -> int:

@@ -33,6 +33,7 @@ from tensorhub.transport import (
     create_transport,
 )
 from tensorhub.transport._mooncake import PROGRESS_TIMEOUT_VAR, mooncake_available
+from tensorhub.transport._shm import SameHostTransport
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX_PIP = "pip install 'tensorhub[cpu]'"
@@ -88,6 +89,8 @@ class Env:
 
     def transport(self, start: bool = True, **kw) -> Transport:
         t: Transport = InMemoryTransport(**kw) if self.kind == "memory" else MooncakeTransport(**kw)
+        if self.kind == "samehost":  # Mooncake wrapped for same-host reads (no holder serves fds here)
+            t = SameHostTransport(t, token=None, host_label="", authorize=lambda *a: None, worker_id="contract")
         self.transports.append(t)
         if start:
             t.start()
@@ -115,9 +118,9 @@ class Env:
             t.close()
 
 
-@pytest.fixture(params=["memory", "mooncake"])
+@pytest.fixture(params=["memory", "mooncake", "samehost"])
 def env(request):
-    if request.param == "mooncake":
+    if request.param != "memory":
         _need_mooncake()
     e = Env(request.param)
     yield e

@@ -118,13 +118,18 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
     import tensorhub
     from tensorhub.transport import MooncakeTransport
 
+    own_transport = options.pop("own_transport", False)
+    copy_delay = options.pop("copy_delay", 0.0)
+    transport_for_hub: Any = None
     transport = MooncakeTransport(host=data_host, progress_timeout=options.get("progress_timeout"))
-    if gate is not None:
+    if own_transport:  # the Hub creates its transport, as in production (same-host reads included)
+        os.environ["TENSORHUB_DATA_HOST"] = data_host
+    elif gate is not None:
         transport.start()
         gated = _Gated(transport, first_done, gate)
         # The Hub only calls start/endpoint/register/unregister/submit_read/poll/close.
         gated.start = lambda: transport.endpoint  # already started
-        transport_for_hub: Any = gated
+        transport_for_hub = gated
     else:
         transport_for_hub = transport
     try:
@@ -132,6 +137,8 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
     except Exception as e:
         conn.send(("error", type(e).__name__, str(e)))
         return
+    if copy_delay:  # same-host copies wait first (tests: a reader that holds its lease a while)
+        hub._session.transport().copy_delay = copy_delay
     published: dict[int, list[tuple[dict, int]]] = {}  # version -> [(tensors, nbytes)], one per layout/shard
     buffers: dict[str, dict] = {}  # fetch(into={"name": ...}): caller buffers kept between commands
     conn.send(("ready", hub.worker_id))
@@ -140,6 +147,11 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
         try:
             if cmd == "publish":
                 w = make_weights(kw["seed"], kw["nbytes"])
+                if kw.get("empty_like"):  # a snapshot in Hub-allocated memory (same-host readers copy it)
+                    snap = hub.empty_like(w)
+                    for k, t in w.items():
+                        snap[k].copy_(t)
+                    w = snap
                 where = {k: kw[k] for k in ("layout", "shard", "num_shards") if k in kw}
                 v = hub.publish(MODEL, w, version=kw.get("version"), **where)
                 published.setdefault(v, []).append((w, kw["nbytes"]))
@@ -201,6 +213,10 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                     for t in h.tensors.values():
                         t.view(torch.uint8).bitwise_not_()
                 conn.send(("ok", None))
+            elif cmd == "transport_stats":  # same-host reads: bytes copied, batches over the data plane
+                t = hub._session._transport
+                conn.send(("ok", {"copied_bytes": getattr(t, "copied_bytes", 0),
+                                  "inner_batches": getattr(t, "inner_batches", None)}))
             elif cmd == "latest":
                 conn.send(("ok", hub.latest(MODEL)))
             elif cmd == "held":

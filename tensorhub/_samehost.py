@@ -1,0 +1,44 @@
+"""The Hub's side of same-host reads (``transport/_shm``): what the fd server asks us.
+
+Called by the Session when it creates its transport (holder and reader alike): wraps the
+data plane in a :class:`~tensorhub.transport._shm.SameHostTransport` whose fd server
+answers only a reader that (1) presents this deployment's API token when one is
+configured and (2) holds a lease, valid now by the coordinator's word, that names the
+replica it asks for; the answer then covers exactly that replica's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from . import envs
+from ._exceptions import TensorHubError
+from .transport import Transport
+from .transport._shm import SameHostTransport
+
+__all__ = ["wrap"]
+
+logger = logging.getLogger(__name__)
+
+
+def wrap(inner: Transport, session: Any) -> Transport:
+    """``inner`` wrapped for same-host reads (unless ``TENSORHUB_SAMEHOST=0``).
+    ``session`` is the caller's ``_session.Session`` (its api, holdings, identity)."""
+    if not envs.TENSORHUB_SAMEHOST:
+        return inner
+
+    def authorize(lease_id: str, replica_id: str, worker_id: str) -> Optional[list[tuple[int, int]]]:
+        held = next((h for h in session.holdings.all() if h.replica_id and h.replica_id == replica_id), None)
+        if held is None:
+            return None
+        try:
+            if not session.api.lease_covers(lease_id, replica_id, worker_id, retry_timeout=2.0):
+                return None
+        except TensorHubError as e:
+            logger.info("same-host request for replica %s: lease %s not confirmed: %s", replica_id, lease_id, e)
+            return None
+        return list(held.regions)
+
+    return SameHostTransport(inner, token=session.config.token, host_label=session.locality.host,
+                             authorize=authorize, worker_id=session.worker_id)

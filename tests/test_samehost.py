@@ -1,0 +1,259 @@
+"""Same-host reads (issue #14): real coordinator and worker processes on this host.
+
+A reader on the holder's host copies from the holder's memfd-backed memory (fds passed over
+a Unix socket under a lease) instead of reading over Mooncake's loopback. Every fetch is
+checked byte for byte; the transport's counters say which path the bytes took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tensorhub.testing import CoordinatorProcess, WorkerError, digest, make_weights
+from tensorhub.testing._workers import MODEL
+from tensorhub.transport._shm import host_identity, socket_name
+
+pytestmark = pytest.mark.multiprocess
+
+MiB = 1 << 20
+
+
+def expected(seed: int, nbytes: int) -> dict:
+    return digest(make_weights(seed, nbytes))
+
+
+def endpoint_of(url: str, worker_id: str, token: str | None = None) -> str:
+    h = {"Authorization": f"Bearer {token}"} if token else {}
+    st = httpx.get(f"{url}/v1/status", headers=h, timeout=10).json()
+    return next(w["endpoint"] for w in st["workers"] if w["worker_id"] == worker_id)
+
+
+def ask_fds(endpoint: str, **req) -> tuple[dict, int]:
+    """Ask a holder's fd server as a reader would; returns its answer and how many fds came."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(socket_name(endpoint))
+    req.setdefault("host", dict(host_identity(), label=socket.gethostname()))
+    s.sendall(json.dumps(req).encode())
+    data, fds, _, _ = socket.recv_fds(s, 1 << 16, 250)
+    s.close()
+    for fd in fds:
+        os.close(fd)
+    return json.loads(data.decode()), len(fds)
+
+
+def test_same_host_read_copies_exact_bytes_without_mooncake(coordinator, workers):
+    url = coordinator.url
+    pub = workers(url, "pub", own_transport=True)
+    reader = workers(url, "reader", own_transport=True)
+    v = pub.call("publish", seed=3, nbytes=64 * MiB, empty_like=True)
+    got = reader.call("fetch", version=v, serve=True)
+    assert got["digest"] == expected(3, 64 * MiB)
+    stats = reader.call("transport_stats")
+    assert stats["copied_bytes"] == got["nbytes"] and stats["inner_batches"] == 0, stats
+    # The reader's fetched copy is Hub memory too: a third process copies it from there.
+    pub2 = workers(url, "late", own_transport=True)
+    got2 = pub2.call("fetch", version=v, serve=False)
+    assert got2["digest"] == expected(3, 64 * MiB)
+    assert pub2.call("transport_stats")["copied_bytes"] == got2["nbytes"]
+
+
+def test_user_tensors_and_other_hosts_still_use_mooncake(coordinator, workers):
+    url = coordinator.url
+    pub = workers(url, "pub", own_transport=True, locality="host=a")
+    v_plain = pub.call("publish", seed=4, nbytes=16 * MiB)  # user tensors: not Hub memory
+    v_snap = pub.call("publish", seed=5, nbytes=16 * MiB, empty_like=True)
+    near = workers(url, "near", own_transport=True, locality="host=a")
+    got = near.call("fetch", version=v_plain, serve=False)
+    assert got["digest"] == expected(4, 16 * MiB)
+    s = near.call("transport_stats")
+    assert s["copied_bytes"] == 0 and s["inner_batches"] > 0, s
+    # Another host (by its locality label): Mooncake, although the memory could be mapped.
+    far = workers(url, "far", own_transport=True, locality="host=b")
+    got = far.call("fetch", version=v_snap, serve=False)
+    assert got["digest"] == expected(5, 16 * MiB)
+    s = far.call("transport_stats")
+    assert s["copied_bytes"] == 0 and s["inner_batches"] > 0, s
+    # ... while a reader on host a copies the same version.
+    got = near.call("fetch", version=v_snap, serve=False)
+    assert got["digest"] == expected(5, 16 * MiB)
+    assert near.call("transport_stats")["copied_bytes"] == got["nbytes"]
+
+
+def test_unpublish_waits_for_a_same_host_reader(coordinator, workers):
+    url = coordinator.url
+    pub = workers(url, "pub", own_transport=True)
+    v1 = pub.call("publish", seed=6, nbytes=16 * MiB, empty_like=True)
+    pub.call("publish", seed=7, nbytes=16 * MiB, empty_like=True)  # v1 is not the newest: unpublish is allowed
+    reader = workers(url, "slow", own_transport=True, copy_delay=3.0)
+    reader.send("fetch", version=v1, serve=False)
+    time.sleep(1.0)  # the reader holds its lease; its copies wait
+    waited = pub.call("unpublish", version=v1, drain_timeout=60)  # then zeroes the memory
+    got = reader.result()
+    assert got["digest"] == expected(6, 16 * MiB)  # read before the holder overwrote it
+    assert reader.call("transport_stats")["copied_bytes"] == got["nbytes"]
+    assert waited >= 1.0, f"unpublish returned after {waited:.2f}s while a same-host reader was copying"
+
+
+def test_checksums_still_verified_on_same_host_reads(coordinator, workers):
+    url = coordinator.url
+    pub = workers(url, "pub", own_transport=True)
+    v = pub.call("publish", seed=8, nbytes=16 * MiB, empty_like=True)
+    pub.call("corrupt", version=v)  # the bytes change behind the manifest's checksums
+    reader = workers(url, "reader", own_transport=True)
+    with pytest.raises(WorkerError, match="checksum"):
+        reader.call("fetch", version=v, serve=False, fetch_timeout=15)
+    assert reader.call("transport_stats")["copied_bytes"] > 0  # the mismatch was found on copied bytes
+
+
+def test_fds_only_for_a_valid_lease_on_that_replica(tmp_path, workers):
+    token = "s3cret-token"
+    tf = tmp_path / "token"
+    tf.write_text(token)
+    coord = CoordinatorProcess(tmp_path / "state", token_file=tf)
+    url = coord.start()
+    try:
+        pub = workers(url, "pub", own_transport=True, token=token)
+        v = pub.call("publish", seed=9, nbytes=8 * MiB, empty_like=True)
+        ep = endpoint_of(url, "pub", token)
+        api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert api.post("/v1/workers", json={"worker_id": "asker", "endpoint": "", "locality": {}}).status_code == 200
+        grant = api.post("/v1/leases", json={"worker_id": "asker", "model": MODEL, "version": v, "layout": "hf",
+                                              "shard": 0, "max_sources": 4}).json()
+        assert "lease_id" in grant, grant
+        lease, replica = grant["lease_id"], grant["replicas"][0]["replica_id"]
+        ok = dict(token=token, lease_id=lease, replica_id=replica, worker_id="asker")
+        ans, n = ask_fds(ep, **ok)
+        assert n >= 1 and ans["arenas"], ans  # the valid asker gets the memory
+        for bad, why in [(dict(ok, token="wrong"), "token"), (dict(ok, token=""), "token"),
+                         (dict(ok, lease_id="nope"), "lease"), (dict(ok, replica_id="r-other"), "lease"),
+                         (dict(ok, worker_id="someone-else"), "lease")]:
+            ans, n = ask_fds(ep, **bad)
+            assert n == 0 and not ans["arenas"], (bad, ans)
+            assert why in ans.get("why", ""), ans
+        api.post(f"/v1/leases/{lease}/release")
+        ans, n = ask_fds(ep, **ok)  # released: no longer valid
+        assert n == 0 and "lease" in ans.get("why", ""), ans
+    finally:
+        coord.stop()
+
+
+def test_transport_copies_covered_batches_and_passes_the_rest_on():
+    """Two wrapped transports in one process: a batch inside the holder's arena is copied
+    (exact bytes, no Mooncake batch); one touching plain memory goes over Mooncake."""
+    import torch
+
+    from tensorhub._reader import Source
+    from tensorhub.transport import DONE, PENDING, MooncakeTransport, ReadOp
+    from tensorhub.transport import _shm
+
+    asked = []
+    arena = _shm.empty(8 * MiB)
+    arena.copy_(torch.randint(0, 255, (8 * MiB,), dtype=torch.uint8))
+    plain = torch.randint(0, 255, (1 * MiB,), dtype=torch.uint8)
+
+    def authorize(lease, replica, worker):
+        asked.append((lease, replica, worker))
+        return [(arena.data_ptr(), 8 * MiB)] if lease == "good" else None
+
+    holder = _shm.SameHostTransport(MooncakeTransport(), token=None, host_label="h", authorize=authorize,
+                                    worker_id="holder")
+    reader = _shm.SameHostTransport(MooncakeTransport(), token=None, host_label="h",
+                                    authorize=lambda *a: None, worker_id="reader")
+    try:
+        ep = holder.start()
+        reader.start()
+        holder.register(arena.data_ptr(), 8 * MiB)
+        holder.register(plain.data_ptr(), 1 * MiB)
+        dst = torch.zeros(9 * MiB, dtype=torch.uint8)
+        reader.register(dst.data_ptr(), dst.nbytes)
+
+        def run(lease, ops):
+            h = reader.submit_from(Source("r1", "holder", ep, (), lease), ops)
+            while (st := reader.poll(h)) == PENDING:
+                time.sleep(0.001)
+            return st
+
+        ops = [ReadOp(dst.data_ptr(), arena.data_ptr() + MiB, 3 * MiB),
+               ReadOp(dst.data_ptr() + 3 * MiB, arena.data_ptr(), MiB)]
+        assert run("good", ops) == DONE
+        assert torch.equal(dst[:3 * MiB], arena[MiB:4 * MiB]) and torch.equal(dst[3 * MiB:4 * MiB], arena[:MiB])
+        assert reader.copied_bytes == 4 * MiB and reader.inner_batches == 0
+        assert asked == [("good", "r1", "reader")]
+        # One op outside the arena: the whole batch goes over Mooncake (bytes still exact).
+        mixed = [ReadOp(dst.data_ptr() + 4 * MiB, arena.data_ptr(), MiB),
+                 ReadOp(dst.data_ptr() + 8 * MiB, plain.data_ptr(), MiB)]
+        assert run("good", mixed) == DONE
+        assert torch.equal(dst[8 * MiB:], plain) and reader.inner_batches == 1 and reader.copied_bytes == 4 * MiB
+        # A lease the holder does not accept: Mooncake, no fd.
+        dst.zero_()
+        assert run("bad", ops[:1]) == DONE
+        assert torch.equal(dst[:3 * MiB], arena[MiB:4 * MiB]) and reader.copied_bytes == 4 * MiB
+        assert reader.inner_batches == 2
+        # The holder's memory changes in place (same file): a later lease sees the new bytes.
+        reader.forget({"good"})
+        arena[MiB:2 * MiB] = 7
+        assert run("good", ops[:1]) == DONE and bool((dst[:MiB] == 7).all())
+    finally:
+        reader.close()
+        holder.close()
+
+
+def test_follow_waits_for_the_engines_prefetch_before_it_swaps(embedded, capsys):
+    """``tensorhub follow --engine-worker W`` pauses the engine (calls the driver's swap) only
+    once W holds the new version; without it within --prefetch-wait, it swaps anyway."""
+    import argparse
+
+    import torch
+
+    import tensorhub
+    from tensorhub.follow import engine_holds, follow
+    from tensorhub.testing import InMemoryTransport
+
+    url = embedded.url
+    pub = tensorhub.connect(url, worker_id="trainer", transport=InMemoryTransport())
+    engine = tensorhub.connect(url, worker_id="eng", transport=InMemoryTransport())
+    try:
+        w = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+        swaps: list[tuple[int, bool, float]] = []
+
+        def do_swap(client, v, show):
+            swaps.append((v, engine_holds(engine.api.status(), "policy", v, "eng"), time.monotonic()))
+            return 0.01
+
+        def run(wait: float) -> None:
+            args = argparse.Namespace(model="policy", max_swaps=1, coordinator=url, token_file=None,
+                                      engine_worker="eng", prefetch_wait=wait)
+            follow(args, "http://127.0.0.1:9", lambda client: (swaps[-1][0] if swaps else None, "start"), do_swap)
+
+        t = threading.Thread(target=run, args=(30.0,), daemon=True)
+        t.start()
+        time.sleep(0.5)
+        v1 = pub.publish("policy", w)
+        time.sleep(1.5)  # the engine's prefetch lands later
+        assert swaps == [], "follow swapped before the engine held the version"
+        t_fetch = time.monotonic()
+        engine.fetch("policy", v1)  # serve=True: the engine holds v1
+        t.join(30)
+        assert not t.is_alive() and len(swaps) == 1
+        v, held, when = swaps[0]
+        assert v == v1 and held and when >= t_fetch
+
+        # No prefetch within the wait: it swaps anyway, and says so.
+        t = threading.Thread(target=run, args=(1.0,), daemon=True)
+        t.start()
+        time.sleep(0.3)
+        v2 = pub.publish("policy", w)
+        t.join(30)
+        assert [s[0] for s in swaps] == [v1, v2] and swaps[1][1] is False
+        assert f"v{v2}: engine worker eng did not hold it" in capsys.readouterr().err
+    finally:
+        engine.close()
+        pub.close()
