@@ -22,11 +22,12 @@ from typing import Any, Mapping, Optional, Union
 
 from . import envs
 from ._checksum import check_mode
+from ._client import coordinator_urls
 from ._exceptions import ConfigError
 from ._wire import Locality
 from .transport import MAX_ENTRY_BYTES
 
-__all__ = ["HubConfig", "parse_locality", "read_token"]
+__all__ = ["HubConfig", "coordinator_urls", "parse_locality", "read_token"]
 
 #: field -> the environment variable it falls back to (argument > variable > default).
 ENV = {
@@ -115,6 +116,7 @@ class HubConfig:
     def __post_init__(self) -> None:
         if not self.coordinator:
             raise ConfigError("no coordinator URL: pass one or set TENSORHUB_COORDINATOR")
+        coordinator_urls(self.coordinator)  # a malformed list is refused here, naming the entry
         if not isinstance(self.locality, Locality):
             object.__setattr__(self, "locality", _locality(self.locality))
         for name in ("heartbeat_interval", "progress_timeout", "fetch_timeout"):
@@ -159,6 +161,11 @@ class HubConfig:
         """What the command line gives (``--coordinator``, ``--token-file``, ``--ca-file``),
         resolved like any other config."""
         return cls.resolve(coordinator, token=read_token(token_file), ca_file=ca_file, **args)
+
+    @property
+    def urls(self) -> list[str]:
+        """The coordinator URLs (several: highly available coordinators, any may lead)."""
+        return coordinator_urls(self.coordinator)
 
     def replace(self, **changes: Any) -> "HubConfig":
         return dataclasses.replace(self, **changes)

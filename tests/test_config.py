@@ -79,3 +79,19 @@ def test_hub_runs_on_the_config_it_was_given(embedded):
         assert hub.chunk_bytes == 1 << 20
     with pytest.raises(ConfigError, match="either config= or"):
         tensorhub.connect(embedded.url, config=cfg)
+
+
+def test_engine_settings_take_several_coordinators(embedded):
+    """HA: the adapters' start-up probe accepts a list and any answering coordinator will do."""
+    from integrations._core.settings import Settings, SettingsError
+    from integrations._core.worker import _probe
+
+    dead = "http://127.0.0.1:1"
+    s = Settings.from_config({"coordinator": f"{dead},{embedded.url}", "model": "m", "connect_timeout": 5})
+    _probe(s)  # the second answers
+    assert s.hub_config("w").urls == [dead, embedded.url]
+    with pytest.raises(SettingsError, match="did not answer"):
+        _probe(Settings.from_config({"coordinator": f"{dead},http://127.0.0.1:2", "model": "m",
+                                     "connect_timeout": 1}))
+    with pytest.raises(SettingsError, match="coordinator"):
+        _probe(Settings.from_config({"coordinator": f"{embedded.url},ftp://x", "model": "m"}))

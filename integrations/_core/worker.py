@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from tensorhub import envs
+from tensorhub import ConfigError, envs
+from tensorhub.config import coordinator_urls
 
 from .ranks import EngineRanks
 from .settings import Settings, SettingsError
@@ -114,17 +115,22 @@ def _probe(settings: Settings) -> None:
     """Fail fast, naming the setting, when the coordinator does not answer."""
     import httpx
 
-    url = settings.coordinator.rstrip("/")
+    try:
+        urls = coordinator_urls(settings.coordinator)  # several: HA coordinators, any one answering will do
+    except ConfigError as e:
+        raise SettingsError(f"tensorhub: setting 'coordinator': {e}") from None
+    url = ",".join(urls)
     deadline = time.monotonic() + settings.connect_timeout
     last: Exception | str = ""
     while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"{url}/healthz", timeout=min(5.0, settings.connect_timeout))
-            if r.status_code == 200:
-                return
-            last = f"HTTP {r.status_code}"
-        except httpx.HTTPError as e:
-            last = e
+        for u in urls:
+            try:
+                r = httpx.get(f"{u}/healthz", timeout=min(5.0, settings.connect_timeout))
+                if r.status_code == 200:
+                    return
+                last = f"{u}: HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                last = f"{u}: {e}"
         time.sleep(0.5)
     raise SettingsError(f"tensorhub: setting 'coordinator': {url} did not answer within "
                         f"{settings.connect_timeout:g}s ({last})")
