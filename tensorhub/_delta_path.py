@@ -51,7 +51,7 @@ from ._exceptions import (
     ConfigError, CoordinatorError, FetchError, NotFoundError, TensorHubError, TensorMismatchError,
 )
 from ._fetch import Fetch, FetchOptions, Fetched, PipelinedSources, PlainSources, acquire_lease, withdraw
-from ._holdings import Held, Holdings, register_regions, unregister_regions
+from ._holdings import Held, Holdings, unregister_regions
 from ._metrics import Track
 from ._session import Session
 from ._tensors import allocate_like, check_into, coalesce, dtype_name
@@ -478,16 +478,9 @@ def _run(session: Session, holdings: Holdings, opts: FetchOptions, model: str, v
     if serve:
         local = [t.data_ptr() for t in dst]
         regions = coalesce([(a, s.nbytes) for a, s in zip(local, manifest.tensors)])
-        transport = session.transport()
-        register_regions(transport, regions)
         held = Held(model, version, layout, shard, int(h.get("num_shards", 1)), manifest, local, regions, out,
                     extra=[buf])
-        try:
-            held.replica_id = session.register_replica(held)
-        except BaseException:
-            unregister_regions(transport, regions)
-            raise
-        holdings.hold(held)
+        _holder.serve(session, holdings, held, session.transport())
         served = f"; serving it as replica {held.replica_id}"
     _count(model, "ok")
     chain = "->".join([f"v{steps[0].base}"] + [f"v{s.version}" for s in steps])

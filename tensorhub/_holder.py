@@ -25,6 +25,18 @@ __all__ = ["publish", "unpublish"]
 logger = logging.getLogger(__name__)
 
 
+def serve(session: Session, holdings: Holdings, h: Held, transport: Any) -> None:
+    """Register ``h``'s memory with the transport and ``h`` with the coordinator, then
+    hold it (its memory is unregistered again if the coordinator refuses it)."""
+    register_regions(transport, h.regions)
+    try:
+        h.replica_id = session.register_replica(h)
+    except BaseException:
+        unregister_regions(transport, h.regions)
+        raise
+    holdings.hold(h)
+
+
 def publish(session: Session, holdings: Holdings, checksum: str, model: str, tensors: Mapping[str, Any], *,
             version: Optional[int], layout: str, shard: int, num_shards: int) -> int:
     """``Hub.publish`` (see there)."""
@@ -36,13 +48,7 @@ def publish(session: Session, holdings: Holdings, checksum: str, model: str, ten
     transport = session.transport()
     regions = coalesce([(a, s.nbytes) for a, s in zip(addrs, manifest.tensors)])
     h = Held(model, key_version, layout, shard, num_shards, manifest, addrs, regions, dict(tensors))
-    register_regions(transport, regions)
-    try:
-        h.replica_id = session.register_replica(h)
-    except BaseException:
-        unregister_regions(transport, regions)
-        raise
-    holdings.hold(h)
+    serve(session, holdings, h, transport)
     logger.info("published %s v%d layout %s shard %d/%d as replica %s of worker %s: %d tensors, %.1f MB",
                 model, key_version, layout, shard, num_shards, h.replica_id, session.worker_id, len(addrs),
                 manifest.nbytes / 1e6)
