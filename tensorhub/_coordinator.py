@@ -145,33 +145,35 @@ class Coordinator:
         return result
 
     async def acall(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``call`` for the event loop: waiting for a commit runs on a thread."""
+        """``call`` for the event loop."""
         result, seq = self._apply(fn, args)
-        if self._durable < seq:
-            await asyncio.to_thread(self.sync, seq)
-        else:
-            self._check_lost(seq)
+        await self._async_sync(seq)
         return result
 
     def read(self, fn: Callable[..., Any], *args: Any, check: bool = True, soft: bool = False) -> Any:
-        with self.lock:
-            if check:
-                self._check_leader()
-            result, seq = fn(*args), self._seq
+        result, seq = self._read(fn, args, check)
         if not soft:
             self.sync(seq)
         return result
 
     async def aread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``read`` for the event loop."""
+        result, seq = self._read(fn, args, True)
+        await self._async_sync(seq)
+        return result
+
+    def _read(self, fn: Callable[..., Any], args: tuple, check: bool) -> tuple[Any, int]:
         with self.lock:
-            self._check_leader()
-            result, seq = fn(*args), self._seq
+            if check:
+                self._check_leader()
+            return fn(*args), self._seq
+
+    async def _async_sync(self, seq: int) -> None:
+        """``sync`` for the event loop: only a wait for a commit goes to a thread."""
         if self._durable < seq:
             await asyncio.to_thread(self.sync, seq)
         else:
             self._check_lost(seq)
-        return result
 
     def _apply(self, fn: Callable[..., Any], args: tuple) -> tuple[Any, int]:
         with self.lock:
