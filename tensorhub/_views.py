@@ -78,6 +78,13 @@ def metrics_view(st: Any, now: float) -> dict:
     return {"workers": len(st.workers), "models": models, "pauses": st.pauses}
 
 
+def _layouts(vi: Any) -> dict:
+    """A version's layouts as both views show them."""
+    return {lname: {"num_shards": li.num_shards, "complete": li.complete,
+                    "nbytes": sum(mf.nbytes for mf in li.manifests.values())}
+            for lname, li in vi.layouts.items()}
+
+
 def version_view(st: Any, now: float, model: str, version: int) -> dict:
     """One version: complete or not, its layouts, its replicas now (by the registry's
     version index: no scan of the rest)."""
@@ -85,9 +92,7 @@ def version_view(st: Any, now: float, model: str, version: int) -> dict:
     reps = sorted(st.registry.replicas_of_version(model, version), key=lambda r: r.registered_at)
     return {
         "model": model, "version": version, "complete": vi.complete,
-        "layouts": {lname: {"num_shards": li.num_shards, "complete": li.complete,
-                            "nbytes": sum(mf.nbytes for mf in li.manifests.values())}
-                    for lname, li in vi.layouts.items()},
+        "layouts": _layouts(vi),
         "replicas": [{"replica_id": r.replica_id, "worker_id": r.worker_id, "layout": r.layout, "shard": r.shard,
                       "draining": r.draining, "suspect": r.suspect_until > now,
                       "partial": None if r.chunks is None else f"{len(r.chunks)}/{r.num_chunks}"}
@@ -106,11 +111,7 @@ def status_view(st: Any, now: float) -> dict:
             versions.append({
                 "version": v,
                 "complete": vi.complete,
-                "layouts": {
-                    lname: {"num_shards": li.num_shards, "complete": li.complete,
-                            "nbytes": sum(mf.nbytes for mf in li.manifests.values())}
-                    for lname, li in vi.layouts.items()
-                },
+                "layouts": _layouts(vi),
                 "replicas": [
                     {
                         "replica_id": r.replica_id, "worker_id": r.worker_id, "layout": r.layout,
