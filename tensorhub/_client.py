@@ -270,8 +270,10 @@ class CoordinatorClient:
         return WorkerRegistered.model_validate(self.post("/v1/workers", {
             "worker_id": worker_id, "endpoint": endpoint, "locality": dict(locality)}, **kw))
 
-    def heartbeat(self, worker_id: str, **kw: Any) -> HeartbeatAnswer:
-        return HeartbeatAnswer.model_validate(self.post(f"/v1/workers/{worker_id}/heartbeat", **kw))
+    def heartbeat(self, worker_id: str, fetches: Sequence[Mapping[str, Any]] = (), **kw: Any) -> HeartbeatAnswer:
+        """``fetches``: fetch reports carried in the body (progress folded into heartbeats)."""
+        body = {"fetches": list(fetches)} if fetches else None
+        return HeartbeatAnswer.model_validate(self.post(f"/v1/workers/{worker_id}/heartbeat", body, **kw))
 
     def remove_worker(self, worker_id: str, **kw: Any) -> WorkerRemoved:
         return WorkerRemoved.model_validate(self.delete(f"/v1/workers/{worker_id}", **kw))

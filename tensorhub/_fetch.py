@@ -33,9 +33,12 @@ from ._exceptions import (
     ConflictError, FetchError, LeaseLapsedError, NotFoundError, TensorHubError, TensorMismatchError,
 )
 from ._fencing import LeaseClock, renew_leases
+from ._chunkmap import ChunkMap
 from ._holdings import Held, Holdings, register_regions, unregister_regions
 from ._metrics import Track, hub_metrics
+from ._grid import grid_chunk_bytes
 from ._pipeline import PipelinedReader, PSource
+from ._planner import chunk_order
 from ._reader import ShardReader, Source
 from ._retry import jittered, next_delay
 from ._session import Session
@@ -203,6 +206,11 @@ class PlainSources:
                        tuple(r.addresses) if keep is None else tuple(r.addresses[i] for i in keep), g.lease_id, r.cost)
                 for r in g.replicas]
 
+    def offers(self) -> bool:
+        """Whether the first lease also registers the reader's partial replica (then the
+        lease is asked for after the destination exists: ``first_grant_serving``)."""
+        return False
+
     def started(self, grant: LeaseGrant) -> None:
         pass
 
@@ -236,8 +244,13 @@ class PipelinedSources(PlainSources):
         self.said_coming: frozenset = frozenset()
         self.last_report = 0.0
         self.seed = False
+        #: Our partial replica's chunk map (``_chunkmap``; None: not serving while receiving).
+        self.map: Optional[ChunkMap] = None
+        #: The partial replica was offered with the first lease (``first_grant_serving``).
+        self.offered = False
+        self.grid = 0
 
-    def _acquire(self, excluded: set[str], wait: bool) -> Optional[LeaseGrant]:
+    def _acquire(self, excluded: set[str], wait: bool, offer: Optional[dict] = None) -> Optional[LeaseGrant]:
         f = self.f
         delay = 0.05
         while True:
@@ -247,6 +260,8 @@ class PipelinedSources(PlainSources):
                                     "manifest": False}
             if self.cur is None:
                 body["request_id"] = secrets.token_hex(12)  # a retried request gets the same lease
+                if offer is not None:
+                    body["serve"] = offer
             sent = time.monotonic()
             try:
                 g = f.session.as_worker(lambda api: api.acquire_lease(body))
@@ -277,20 +292,53 @@ class PipelinedSources(PlainSources):
         self.seed = g.seed
         return g
 
-    def reader(self, grant: LeaseGrant, manifest: Manifest, local: list[int], out: Mapping[str, Any]) -> ShardReader:
+    def offers(self) -> bool:
+        return self.f.serve and self.f.names is None
+
+    def first_grant_serving(self) -> LeaseGrant:
+        """The first lease, registering our partial replica (destination and chunk map)
+        with it: one call, and readers that ask after us are sent to us at once."""
+        f, r, m = self.f, self.r, self.map
+        assert f.held is not None and m is not None
+        f.held.chunkmap = m
+        f.held.extra.append(m)
+        offer = {"manifest_digest": f.session.digest(f.manifest), "addresses": f.held.addresses,
+                 "chunk_bytes": self.grid, "num_chunks": len(r.chunks), "status_addr": m.addr, "status_tag": m.tag}
+        g = self._acquire(set(), True, offer)
+        assert g is not None
+        self.seed = g.seed
+        r.order = chunk_order(len(r.chunks), g.start, g.reverse)
+        self.offered = True
+        self.partial_id = g.partial_replica_id
+        if self.partial_id is None:
+            logger.info("%s v%d: worker %s not serving while receiving: %s", f.model, f.version,
+                        f.session.worker_id, g.serve_refused or "the coordinator did not register it")
+        return g
+
+    def reader(self, grant: Optional[LeaseGrant], manifest: Manifest, local: list[int],
+               out: Mapping[str, Any]) -> ShardReader:
         f = self.f
-        self.r = PipelinedReader(f.transport, [s.nbytes for s in manifest.tensors], local,
-                                 chunk_bytes=grant.chunk_bytes, start=grant.start, reverse=grant.reverse,
+        self.grid = grant.chunk_bytes if grant is not None else grid_chunk_bytes(manifest.nbytes)
+        self.r = PipelinedReader(f.transport, [s.nbytes for s in manifest.tensors], local, chunk_bytes=self.grid,
+                                 start=grant.start if grant is not None else 0.0,
+                                 reverse=grant.reverse if grant is not None else False,
                                  depth=DEPTH, progress_timeout=f.opts.progress_timeout,
                                  checksums=verifier(f.manifest, out, f.opts.checksum))
+        if f.serve:  # its chunk map, registered next to the data (freed with it)
+            self.map = ChunkMap(len(self.r.chunks))
+            register_regions(f.transport, [self.map.region])
+            f.regions = f.regions + [self.map.region]
         return self.r
 
     def started(self, grant: LeaseGrant) -> None:
         f = self.f
-        if f.serve:
+        if f.serve and f.held is not None and self.map is not None and not self.offered:
+            f.held.chunkmap = self.map
+            f.held.extra.append(self.map)
             try:
-                self.partial_id = f.session.register_replica(f.held, partial=True, chunk_bytes=grant.chunk_bytes,
-                                                             num_chunks=len(self.r.chunks))
+                self.partial_id = f.session.register_read(
+                    f.held, partial=True, chunk_bytes=grant.chunk_bytes, num_chunks=len(self.r.chunks),
+                    status_addr=self.map.addr, status_tag=self.map.tag).replica_id
             except TensorHubError as e:
                 logger.info("%s v%d: worker %s not serving while receiving: %s", f.model, f.version,
                             f.session.worker_id, e)
@@ -310,37 +358,26 @@ class PipelinedSources(PlainSources):
         r.claimed = frozenset(g.claimed)
         r.reserved = None if g.reserved is None else frozenset(g.reserved)
         fresh = [PSource(x.replica_id, x.worker_id, x.endpoint, tuple(x.addresses), g.lease_id, x.cost,
-                         None if x.chunks is None else frozenset(x.chunks), frozenset(x.coming))
+                         None if x.chunks is None else frozenset(x.chunks), frozenset(x.coming),
+                         x.status_addr, x.status_tag or 0, x.num_chunks)
                  for x in g.replicas]
         ids = {s.replica_id for s in fresh}
         self.last[:] = fresh + [s for s in kept if s.replica_id not in ids]
         return list(self.last)
 
     def publish_progress(self, force: bool = False) -> None:
-        """Report newly completed chunks (read under still-trusted leases) and those in flight."""
+        """Mark newly completed chunks ready in our chunk map -- only those read under a
+        lease still trusted on this reader's clock (the others are re-read at release).
+        Nothing goes to the coordinator: other readers read the map from our memory."""
         f, r = self.f, self.r
-        coming = frozenset(r.receiving)
-        if self.partial_id is None or (len(r.completed) == self.sent and coming == self.said_coming):
+        if self.map is None or len(r.completed) == self.sent:
             return
-        if not force and time.monotonic() - self.last_report < self.report_interval:
-            return
-        self.last_report = time.monotonic()
         new = r.completed[self.sent:]
         self.sent = len(r.completed)
-        by_lease: dict[str, list[int]] = {}
         for c, lid in new:
             if f.trust.trusted(lid):  # past the reader's bound: never offered (re-read at release)
-                by_lease.setdefault(lid, []).append(c)
-        if not by_lease:
-            by_lease[""] = []
-        for lid, cs in by_lease.items():
-            try:
-                f.session.api.report_chunks(self.partial_id, f.session.worker_id, cs, [lid] if lid else [],
-                                            sorted(coming), retry_timeout=2.0)
-                self.reported.update(cs)
-                self.said_coming = coming
-            except TensorHubError as e:  # lapsed lease or coordinator trouble: not offered
-                logger.debug("chunk report refused: %s", e)
+                self.map.mark(c)
+                self.reported.add(c)
 
     def tick(self) -> None:
         self.publish_progress()
@@ -360,6 +397,8 @@ class PipelinedSources(PlainSources):
         """Withdraw the partial replica within the fetch's deadline; if the coordinator
         cannot confirm that no reader is left, quarantine the memory instead of freeing it."""
         f = self.f
+        if self.map is not None:
+            self.map.retire()  # readers that read its map from now on read nothing from it
         if self.partial_id is None or not f.regions:
             return
         pid = self.partial_id
@@ -421,14 +460,18 @@ class Fetch:
         self.buf: Any = None
         self.out: Any = None
         self.held: Optional[Held] = None
+        #: The complete replica was registered with the last release (``_end_attempt``).
+        self.registered = False
 
     def run(self) -> Fetched:
         if self.into is not None:  # refused before asking anyone (no lease, no manifest needed)
             self.holdings.check_not_served(self.into)
-        grant = self.policy.first_grant()
+        # Serving while receiving: the destination first, then one call for the lease and
+        # the partial replica (``PipelinedSources.first_grant_serving``).
+        grant: Optional[LeaseGrant] = None if self.policy.offers() else self.policy.first_grant()
         #: The whole shard's manifest (final once registered: read once per version and kept).
-        self.manifest = manifest = grant.manifest or self.session.manifest(self.model, self.version,
-                                                                           self.layout, self.shard)
+        self.manifest = manifest = (grant.manifest if grant is not None else None) or \
+            self.session.manifest(self.model, self.version, self.layout, self.shard)
         served = False
         failure: Optional[BaseException] = None
         try:
@@ -445,13 +488,18 @@ class Fetch:
             register_regions(self.transport, wanted)
             self.regions = wanted
             reader = self.policy.reader(grant, manifest, local, self.out)
-            prog = self.track.start(self.session, self.model, self.version, self.layout, self.shard, manifest.nbytes)
-            self.held = Held(self.model, self.version, self.layout, self.shard, grant.num_shards, manifest, local,
+            self.held = Held(self.model, self.version, self.layout, self.shard,
+                             grant.num_shards if grant is not None else 0, manifest, local,
                              self.regions, self.out, extra=[self.buf])
+            if grant is None:
+                grant = self.policy.first_grant_serving()  # type: ignore[attr-defined]
+                self.held.num_shards = grant.num_shards
+            prog = self.track.start(self.session, self.model, self.version, self.layout, self.shard, manifest.nbytes)
             self.policy.started(grant)
             nbytes, seconds, total, failed = self._attempts(grant, reader, prog)
             if self.serve:
-                self.held.replica_id = self.session.register_replica(self.held)
+                if not self.registered:
+                    self.held.replica_id = self.session.register_replica(self.held)
                 self.holdings.hold(self.held)
                 served = True
             logger.info("worker %s fetched %s v%d layout %s shard %d%s: %.1f MB in %.3fs (%.2f GB/s) from %s%s%s",
@@ -475,6 +523,29 @@ class Fetch:
             # Break the fetch <-> policy cycle: new memory freed by the caller is then freed
             # (reused, page faults already paid: transport/_shm) at once, not at the next gc.
             self.policy.f = None  # type: ignore[assignment]
+
+    def _end_attempt(self) -> list[str]:
+        """Release the attempt's leases; returns those whose bytes cannot be trusted.
+
+        Serving the result (a whole shard), with every lease still trusted on this
+        reader's clock: the release and the complete replica's registration are one call
+        (registered only if every lease stayed valid for the coordinator too)."""
+        h = self.held
+        if not (self.serve and h is not None and self.keep is None and self.leases
+                and all(self.trust.trusted(lid) for lid in self.leases)):
+            return release_checked(self.session, self.leases, self.trust)
+        leases = list(self.leases)
+        self.leases.clear()
+        try:
+            r = self.session.register_read(h, release=leases)
+        except TensorHubError:
+            release_all(self.session, leases)
+            raise
+        released = r.released or {}
+        lapsed = [lid for lid in leases if not released.get(lid, False)]
+        if not lapsed and r.replica_id:
+            h.replica_id, self.registered = r.replica_id, True
+        return lapsed
 
     def _attempts(self, grant: LeaseGrant, reader: ShardReader, prog: Any) -> tuple[int, float, dict, list]:
         """Read until every chunk was read under a lease still trusted at its release."""
@@ -518,7 +589,7 @@ class Fetch:
             prog.tick(stats)
             prog.attempt_done()
             self.policy.attempt_done()
-            lapsed = release_checked(self.session, self.leases, self.trust)
+            lapsed = self._end_attempt()
             if not lapsed:
                 return nbytes, seconds, total, failed
             todo = self.policy.todo(lapsed, stats)

@@ -99,6 +99,7 @@ def _withdraw(session: Session, holdings: Holdings, mine: list[Held], model: str
     with holdings.lock:
         for h in mine:
             holdings.drop(h.key)
+            h.retire_map()  # drained: no reader may take its chunk map as valid again
             unregister_regions(transport, h.regions)
         for c in copies:
             holdings.hold(c)

@@ -42,6 +42,13 @@ class Held:
     tensors: Any  # keeps the memory alive
     replica_id: str = ""
     extra: list[Any] = field(default_factory=list)
+    #: A replica that served while it was still receiving: its chunk map (``_chunkmap``),
+    #: retired before the memory is released or reused.
+    chunkmap: Any = None
+
+    def retire_map(self) -> None:
+        if self.chunkmap is not None:
+            self.chunkmap.retire()
 
     @property
     def key(self) -> Key:

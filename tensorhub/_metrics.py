@@ -409,20 +409,27 @@ class Track:
 
 
 class Outbox:
-    """Reports to the coordinator (fetches, swaps), posted by a background thread so that
-    telemetry never delays or fails the caller; at most ``limit`` wait (older ones drop)."""
+    """Reports to the coordinator (fetches, swaps), so that telemetry never delays or fails
+    the caller; at most ``limit`` wait (older ones drop). Fetch reports ride on the next
+    heartbeat (``take_fetches``: no call of their own); the rest, and fetch reports an
+    older coordinator did not take from a heartbeat, are posted by a background thread."""
 
     def __init__(self, hub: Any, limit: int = 256) -> None:
         self.hub = hub
         self.queue: deque = deque(maxlen=limit)
+        #: Fetch reports waiting for the next heartbeat (a heartbeat carries at most 64).
+        self.beats: deque = deque(maxlen=64)
         self.wake = threading.Event()
         self.stop = threading.Event()
         self.thread: Optional[threading.Thread] = None
         self.lock = threading.Lock()
 
-    def put(self, kind: str, body: dict) -> None:
+    def put(self, kind: str, body: dict, *, post: bool = False) -> None:
         with self.lock:
             if self.stop.is_set():
+                return
+            if kind == "fetch" and not post:
+                self.beats.append(body)
                 return
             self.queue.append((kind, body))
             if self.thread is None:
@@ -430,6 +437,14 @@ class Outbox:
                                                daemon=True)
                 self.thread.start()
         self.wake.set()
+
+    def take_fetches(self) -> list[dict]:
+        """The fetch reports for this heartbeat (the heartbeat thread; it posts them back
+        with ``put(..., post=True)`` if the coordinator did not take them)."""
+        with self.lock:
+            out = list(self.beats)
+            self.beats.clear()
+        return out
 
     def _run(self) -> None:
         while True:
@@ -450,6 +465,8 @@ class Outbox:
 
     def close(self, timeout: float = 2.0) -> None:
         """Deliver what is queued (up to ``timeout``), then stop."""
+        for body in self.take_fetches():  # no heartbeat will carry them any more
+            self.put("fetch", body, post=True)
         with self.lock:
             self.stop.set()
             t = self.thread

@@ -4,26 +4,32 @@ its leases and its partial replica are ``_fetch.PipelinedSources``).
 A pipelined fetch:
 
 1. asks for a ``pipelined`` lease: the coordinator (``_planner.choose_sources``) may send
-   it to *partial* replicas (readers still receiving), each with the chunks it has reported
-   complete, and tells it the shard's chunk grid and, across datacenters, whether it is its
-   datacenter's seeder;
-2. with ``serve=True``, registers its destination as a partial replica at once;
-3. reads chunk by chunk (:class:`PipelinedReader`): a chunk is only ever asked of a source
-   the coordinator said holds it (``_planner.pick_chunk``); when its sources hold nothing
-   more it needs, it refreshes the lease (same lease id) to learn newer chunk sets;
-4. reports the chunks it completed (``POST /v1/replicas/{id}/chunks``, every
-   ``report_interval``), naming the lease they were read under; the coordinator refuses
-   the report if that lease lapsed, so a chunk is offered to others only if it was read
-   under a valid lease and is complete in memory (the transport said DONE, and its
-   checksum matched when the manifest has checksums: ``_checksum``);
-5. at the end registers the replica as complete (same replica id). If the fetch fails,
-   the partial replica (only it) is unpublished (readers drained) before its memory is
-   released; if that is not confirmed in time, the memory is quarantined: the error says
-   so, ``fetch(into=...)`` refuses it, and the Hub keeps trying to withdraw it on its
-   heartbeats (then the quarantine is lifted).
+   it to *partial* replicas (readers still receiving), and tells it the shard's chunk grid
+   and, across datacenters, whether it is its datacenter's seeder;
+2. with ``serve=True``, registers its destination as a partial replica at once, with its
+   *chunk map* (``_chunkmap``): one status byte per chunk in memory registered with the
+   transport next to the data, whose address the coordinator hands to other readers;
+3. reads chunk by chunk (:class:`PipelinedReader`). Before it asks a partial source for
+   chunks it reads that source's chunk map one-sided (a few hundred bytes, like the data;
+   again whenever the source idles for lack of chunks it is known to hold) and asks it
+   only for chunks marked ready there (``_planner.pick_chunk``). The coordinator is asked
+   again (a refresh of the same lease) at most once in a read, to learn partial replicas
+   that registered since (and whenever every source failed);
+4. marks each chunk it completed in its own chunk map -- only once the transport said
+   DONE, its checksum matched (``_checksum``) and the lease it was read under is still
+   trusted on this reader's clock (``_fencing.LeaseClock``): a chunk is offered to others
+   only if it was read under a valid lease and is complete in memory. Nothing is reported
+   to the coordinator per chunk;
+5. at the end releases its leases and registers the replica as complete in one call
+   (same replica id; registered only if every lease stayed valid). If the fetch fails, the
+   partial replica (only it) is unpublished (readers drained), its map retired, and only
+   then its memory released; if that is not confirmed in time, the memory is quarantined:
+   the error says so, ``fetch(into=...)`` refuses it, and the Hub keeps trying to withdraw
+   it on its heartbeats (then the quarantine is lifted).
 
-Leases are trusted only up to the reader's own bound (``_fencing.LeaseClock``): chunks
-read under a lease past it are neither offered to others nor accepted.
+Older holders (no chunk map) still report chunks to the coordinator
+(``POST /v1/replicas/{id}/chunks``); their sources arrive with the chunk list the
+coordinator knows, which this reader honours as before.
 
 Invariant: nobody reads a chunk that is not complete on its source (tests/test_pipelined.py).
 """
@@ -31,12 +37,16 @@ Invariant: nobody reads a chunk that is not complete on its source (tests/test_p
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ._chunkmap import map_bytes, parse
+from ._exceptions import TransferError
 from ._planner import chunk_order, pick_chunk
 from ._reader import ShardReader, Source
+from .transport import DONE, PENDING, ReadOp
 
 __all__ = ["PSource", "PipelinedReader"]
 
@@ -45,10 +55,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PSource(Source):
-    """A source plus the chunks it may be read for (None: all)."""
+    """A source plus the chunks it may be read for (None: all), or, for a partial replica
+    with a chunk map (``_chunkmap``), where to read which chunks it holds."""
 
     chunks: Optional[frozenset] = None
     coming: frozenset = frozenset()
+    status_addr: Optional[int] = None
+    status_tag: int = 0
+    num_chunks: int = 0
+
+
+#: Chunk-map buffers whose read never ended (a transport may still write them): kept.
+_STUCK_MAPS: list[Any] = []
 
 
 class PipelinedReader(ShardReader):
@@ -61,7 +79,11 @@ class PipelinedReader(ShardReader):
 
     def __init__(self, transport: Any, sizes: list[int], local_addrs: list[int], *, start: float = 0.0,
                  reverse: bool = False, refresh_interval: float = 0.05, claim_patience: float = 0.5,
+                 status_interval: float = 0.01, max_refreshes: int = 1, first_refresh: float = 0.1,
                  **kw: Any) -> None:
+        """``status_interval``: least seconds between two reads of one source's chunk map;
+        ``max_refreshes``: coordinator refreshes per run while some source is left (more
+        only when every source failed), the first not before ``first_refresh`` seconds."""
         super().__init__(transport, sizes, local_addrs, **kw)
         self.order = chunk_order(len(self.chunks), start, reverse)
         self.refresh_interval = refresh_interval
@@ -75,6 +97,22 @@ class PipelinedReader(ShardReader):
         #: Chunks the coordinator reserved for us to read from complete replicas (None: any).
         self.reserved: Optional[frozenset] = None
         self._last_refresh = float("-inf")
+        self.status_interval = status_interval
+        self.max_refreshes = max_refreshes
+        self.first_refresh = first_refresh
+        #: Coordinator refreshes asked in this reader's runs (chunk maps replace the rest).
+        self.refreshes = 0
+        #: Chunk-map reads submitted, and chunk maps that read as stale (tag mismatch).
+        self.status_reads = 0
+        self.stale_maps = 0
+        #: replica id -> chunks its map said were ready (last read).
+        self.avail: dict[str, frozenset] = {}
+        self._map_pending: dict[str, int] = {}  # replica id -> handle of its map read in flight
+        self._map_src: dict[str, PSource] = {}
+        self._map_last: dict[str, float] = {}
+        self._map_buf: dict[str, Any] = {}  # replica id -> (tensor, addr, nbytes) registered
+        self._stale: set[str] = set()  # replicas whose map once read as stale: never read from
+        self._t0 = 0.0
 
     # Policy hooks (``ShardReader._loop``): the reader's own chunk order; each source is
     # asked only for chunks it holds, rarest first; sources refreshed now and then.
@@ -82,37 +120,145 @@ class PipelinedReader(ShardReader):
     def _idle_cap(self) -> float:
         return self.refresh_interval / 2
 
+    def run(self, get_sources, report, **kw: Any):  # type: ignore[override]
+        self._t0 = time.monotonic()
+        try:
+            return super().run(get_sources, report, **kw)
+        finally:
+            self._close_maps()
+
     def _order(self, todo) -> deque:
         wanted = set(todo)
         self._last_refresh = float("-inf")
         return deque(c for c in self.order if c in wanted)
+
+    def held(self, src: Source) -> Optional[frozenset]:
+        """What ``src`` may be asked for: None (all: a complete replica), the chunks its map
+        said were ready (a partial replica with a chunk map), or the chunks the coordinator
+        listed (an older partial replica that reports them)."""
+        if getattr(src, "status_addr", None) is not None:
+            return self.avail.get(src.replica_id, frozenset())
+        return getattr(src, "chunks", None)
 
     def _fill(self, need, sources, failed, get_sources) -> None:
         pass  # (``_refresh`` asks for sources, after the submit step)
 
     def _preference(self, src: Source, busy: int) -> tuple:
         """Nearest sources first, partial before complete, then the least busy."""
-        return (src.cost, getattr(src, "chunks", None) is None, busy)
+        return (src.cost, self.held(src) is None, busy)
 
     def _pick(self, src: Source, need, sources, inflight, now: float) -> Optional[int]:
         """A chunk ``src`` holds, rarest first (``_planner.pick_chunk``)."""
-        others = [getattr(o, "chunks", None) for o in sources if o is not src]
+        others = [self.held(o) for o in sources if o is not src]
         coming = self.claimed.union(*(getattr(o, "coming", frozenset()) for o in sources))
         order = need
+        have = self.held(src)
         if not inflight and now - self._last_progress > self.claim_patience:
             coming = frozenset()  # stalled: do not wait on others' promises any longer
-        elif getattr(src, "chunks", None) is None and self.reserved is not None:
+        elif have is None and self.reserved is not None:
             order, coming = [c for c in need if c in self.reserved], frozenset()
-        return pick_chunk(order, getattr(src, "chunks", None), others, set(), coming)
+        return pick_chunk(order, have, others, set(), coming)
 
     def _refresh(self, need, sources, failed, get_sources, busy, now: float) -> None:
-        """Soon when a source idles for lack of chunks it holds, now and then otherwise
-        (newer partial replicas may be nearer or less loaded than the busy sources)."""
+        """Chunk maps: take in those that arrived, read again those of sources idling for
+        lack of chunks. The coordinator: only when no source is left, and at most
+        ``max_refreshes`` times otherwise (partial replicas registered since the lease may
+        be nearer or less loaded than the busy sources), soon when a source idles."""
+        self._maps(need, sources, busy, now)
         idle = not sources or any(busy.get(s.replica_id, 0) < self.depth for s in sources)
-        if need and now - self._last_refresh >= self.refresh_interval * (1 if idle else 2):
-            self._last_refresh = now
-            fresh = get_sources(set(failed))
-            sources[:] = [s for s in fresh if s.replica_id not in failed]
+        if not need or now - self._last_refresh < self.refresh_interval * (1 if idle else 2):
+            return
+        if sources and (self.refreshes >= self.max_refreshes or now - self._t0 < self.first_refresh):
+            return
+        self._last_refresh = now
+        self.refreshes += 1
+        fresh = get_sources(set(failed))
+        sources[:] = [s for s in fresh if s.replica_id not in failed]
+
+    # ------------------------------------------------------------------ chunk maps
+    def _maps(self, need, sources, busy, now: float) -> None:
+        for rid, h in list(self._map_pending.items()):
+            try:
+                st = self.t.poll(h)
+            except TransferError:
+                st = -1
+            if st == PENDING:
+                continue
+            del self._map_pending[rid]
+            src = self._map_src[rid]
+            if st == DONE:
+                got = parse(self._map_buf[rid][0].numpy(), src.status_tag, src.num_chunks)
+                if got is None or rid in self._stale:  # not (any more) that replica's map: nothing
+                    self.stale_maps += got is None  # is read from it again
+                    self._stale.add(rid)
+                    self.avail[rid] = frozenset()
+                else:  # a ready byte never goes back while the tag stands: what we saw stays true
+                    self.avail[rid] = got | self.avail.get(rid, frozenset())
+        if not need:
+            return
+        for src in sources:
+            if getattr(src, "status_addr", None) is None or src.replica_id in self._map_pending:
+                continue
+            if busy.get(src.replica_id, 0) >= self.depth:
+                continue  # it has work: its map is read when it idles
+            rid = src.replica_id
+            have = self.avail.get(rid)
+            if have is not None and now - self._map_last.get(rid, 0.0) < self.status_interval:
+                continue
+            self._read_map(src, now)
+
+    def _read_map(self, src: PSource, now: float) -> None:
+        rid = src.replica_id
+        n = map_bytes(src.num_chunks)
+        buf = self._map_buf.get(rid)
+        if buf is None or buf[2] != n:
+            import torch
+
+            t = torch.zeros(n, dtype=torch.uint8)
+            try:
+                self.t.register(t.data_ptr(), n)
+            except TransferError as e:
+                logger.debug("cannot register a chunk-map buffer: %s", e)
+                return
+            if buf is not None:
+                self._drop_map_buf(rid)
+            buf = self._map_buf[rid] = (t, t.data_ptr(), n)
+        try:
+            h = self.t.submit_read(src.endpoint, [ReadOp(buf[1], src.status_addr, n)])
+        except TransferError as e:
+            logger.debug("chunk map of %s not read: %s", rid, e)
+            self._map_last[rid] = now
+            return
+        self.status_reads += 1
+        self._map_pending[rid] = h
+        self._map_src[rid] = src
+        self._map_last[rid] = now
+
+    def _drop_map_buf(self, rid: str) -> None:
+        t, addr, n = self._map_buf.pop(rid)
+        try:
+            self.t.unregister(addr, n)
+        except TransferError:  # pragma: no cover
+            pass
+
+    def _close_maps(self) -> None:
+        """After a run: wait (bounded) for map reads in flight, then unregister the buffers
+        (one a read may still write is kept for good)."""
+        end = time.monotonic() + 2 * self.progress_timeout + 5
+        while self._map_pending and time.monotonic() < end:
+            for rid, h in list(self._map_pending.items()):
+                try:
+                    if self.t.poll(h) != PENDING:
+                        del self._map_pending[rid]
+                except TransferError:
+                    del self._map_pending[rid]
+            time.sleep(self.poll_interval)
+        for rid in list(self._map_buf):
+            if rid in self._map_pending:
+                _STUCK_MAPS.append(self._map_buf.pop(rid))
+            else:
+                self._drop_map_buf(rid)
+        self._map_pending.clear()
 
     def _submitted(self, chunk: int) -> None:
         self.receiving.add(chunk)

@@ -60,6 +60,10 @@ class Replica:
     chunks: Optional[set[int]] = None
     num_chunks: int = 0
     coming: set[int] = field(default_factory=set)  # chunks it is receiving (a hint)
+    #: A partial replica's chunk map in its holder's memory (``_chunkmap``): readers read
+    #: which chunks it holds from there, and ``chunks`` stays empty (no reports).
+    status_addr: Optional[int] = None
+    status_tag: Optional[int] = None
 
     @property
     def key(self) -> ShardKey:

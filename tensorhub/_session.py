@@ -26,7 +26,7 @@ from ._client import CoordinatorClient
 from ._exceptions import HubClosedError, NotFoundError, TensorHubError
 from ._holdings import Held, Holdings, unregister_regions
 from ._metrics import FetchProgress, Outbox, hub_metrics
-from ._wire import HeartbeatAnswer, Manifest
+from ._wire import HeartbeatAnswer, Manifest, ReplicaRegistered, manifest_digest
 from .transport import Transport, create_transport
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -82,6 +82,8 @@ class Session:
         #: Manifests read, by (model, version, layout, shard), least recently used first.
         self._manifests: "OrderedDict[tuple, Manifest]" = OrderedDict()
         self._manifests_lock = threading.Lock()
+        #: id(manifest) -> (manifest, its digest): registration by digest.
+        self._digests: dict[int, tuple[Manifest, str]] = {}
         #: (epoch, served leases, served bytes) last answered on a heartbeat.
         self._served_seen: tuple[Optional[str], int, int] = (None, 0, 0)
 
@@ -187,19 +189,55 @@ class Session:
         body = dict(self.replica_body(h), **extra)
         return self.as_worker(lambda api: api.register_replica(body)).replica_id
 
-    def replica_body(self, h: Held) -> dict:
-        return {
+    def register_read(self, h: Held, *, release: Optional[list[str]] = None, **extra: Any) -> ReplicaRegistered:
+        """Announce a replica this worker read (the version and its manifest are known to
+        the coordinator: no allocation, the manifest by digest). ``release``: the read's
+        leases, released in the same call (the replica is registered only if all stayed
+        valid; the answer's ``released`` says which)."""
+        body = dict(self.replica_body(h, digest=True), **extra)
+        if release:
+            body["release"] = list(release)
+        return self.as_worker(lambda api: api.register_replica(body))
+
+    def digest(self, m: Manifest) -> str:
+        """``manifest_digest(m)``, computed once per manifest object kept."""
+        with self._manifests_lock:
+            hit = self._digests.get(id(m))
+            if hit is not None and hit[0] is m:
+                return hit[1]
+        d = manifest_digest(m)
+        with self._manifests_lock:
+            self._digests[id(m)] = (m, d)
+            while len(self._digests) > MANIFESTS_KEPT:
+                self._digests.pop(next(iter(self._digests)))
+        return d
+
+    def replica_body(self, h: Held, digest: bool = False) -> dict:
+        body = {
             "worker_id": self.worker_id, "model": h.model, "version": h.version, "layout": h.layout,
-            "shard": h.shard, "num_shards": h.num_shards,
-            "manifest": h.manifest.model_dump(mode="json"), "addresses": h.addresses,
+            "shard": h.shard, "num_shards": h.num_shards, "addresses": h.addresses,
         }
+        if digest:
+            body["manifest_digest"] = self.digest(h.manifest)
+        else:
+            body["manifest"] = h.manifest.model_dump(mode="json")
+        return body
 
     # ------------------------------------------------------------------ heartbeat, telemetry
     def _heartbeat_loop(self) -> None:
         # Jittered: after a coordinator restart a fleet does not heartbeat in step.
         while not self._stop.wait(self.heartbeat_interval * (0.9 + 0.2 * random.random())):
             try:
-                r = self.api.heartbeat(self.worker_id, retry_timeout=self.heartbeat_interval)
+                fetches = self._outbox.take_fetches()  # progress rides on the heartbeat
+                try:
+                    r = self.api.heartbeat(self.worker_id, fetches=fetches, retry_timeout=self.heartbeat_interval)
+                except TensorHubError:
+                    for body in fetches:  # not delivered: posted on their own (best effort)
+                        self._outbox.put("fetch", body, post=True)
+                    raise
+                if fetches and r.fetches is None:  # an older coordinator ignored them
+                    for body in fetches:
+                        self._outbox.put("fetch", body, post=True)
                 self._count_served(r)
                 q = self.holdings.quarantine
                 if len(q) and self._transport is not None:

@@ -62,7 +62,9 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
-from ._exceptions import ConflictError, NotFoundError, RetentionError
+from ._exceptions import (
+    ConflictError, InvalidRequestError, ManifestMismatchError, NotFoundError, RetentionError,
+)
 from ._planner import (
     LEVELS, Candidate, choose_sources, chunk_order, claims, grid_chunk_bytes, group_key, locality_cost,
     reserve_chunks, start_fraction, start_reverse,
@@ -78,6 +80,7 @@ from ._wire import (
     RegisterReplica,
     ReplicaInfo,
     SwapReport,
+    manifest_digest,
 )
 
 __all__ = ["StateConfig", "CoordinatorState", "Write", "ShardKey"]
@@ -85,6 +88,8 @@ __all__ = ["StateConfig", "CoordinatorState", "Write", "ShardKey"]
 # Re-exported: the types the state is made of (tests and the shell name them here).
 _ = (ALLOCATIONS_KEPT, LayoutInfo, ModelInfo, VersionInfo, Lease, Replica, Worker)
 
+#: Manifest digests kept (computed once per shard of a version; ~100 ms for 50,000 tensors).
+DIGESTS_KEPT = 256
 #: Most versions one retention pass retires (the rest on the next tick).
 RETIRE_PER_TICK = 8
 
@@ -145,6 +150,8 @@ class CoordinatorState:
         #: Workers given a fresh ttl after a pause (invariant 9), counted for ``/metrics``.
         self.pauses = 0
         self._ids = itertools.count(1)
+        #: (model, version, layout, shard) -> digest of its manifest (registration by digest).
+        self._digests: dict[tuple, str] = {}
 
     # Read-only views (the tables live in the catalog and the registry).
     @property
@@ -327,22 +334,70 @@ class CoordinatorState:
 
     # ----------------------------------------------------------------- replicas
     def register_replica(self, now: float, req: RegisterReplica) -> tuple[str, bool]:
-        """A holder announces it holds a complete shard. Returns (replica_id, version complete)."""
+        """A holder announces it holds a shard (complete, or partial while it receives).
+        Returns (replica_id, version complete). ``req.manifest_digest`` instead of the
+        manifest: the shard's registered manifest, if its digest matches. With
+        ``req.release``, see :meth:`release_and_register`."""
+        if req.release:
+            rid, complete, _ = self.release_and_register(now, req)
+            return rid, complete
         now = self._now(now)
         self._worker(req.worker_id)
+        if req.manifest is None:
+            req = self._by_digest(req)
         li = self.catalog.add_manifest(req, self._check_partial if req.partial else None)
         key = ShardKey(req.model, req.version, req.layout, req.shard)
         for r in self.registry.replicas_of_shard(key):  # idempotent re-registration (same memory)
             if r.worker_id == req.worker_id and not r.draining and r.addresses == list(req.addresses):
                 if not req.partial:
                     r.chunks, r.coming = None, set()  # a partial replica completed
+                    r.status_addr = r.status_tag = None
                 return r.replica_id, li.complete
         rid = self._new_id("r")
         self.registry.add_replica(Replica(
             rid, req.worker_id, req.model, req.version, req.layout, req.shard, list(req.addresses), now,
             chunks=set() if req.partial else None, num_chunks=req.num_chunks if req.partial else 0,
+            status_addr=req.status_addr if req.partial else None, status_tag=req.status_tag if req.partial else None,
         ))
         return rid, li.complete
+
+    def release_and_register(self, now: float, req: RegisterReplica) -> tuple[str, bool, dict[str, bool]]:
+        """A reader ends its read in one call: release the leases it read under
+        (``req.release``; each answers whether it stayed valid, as ``release_lease``) and,
+        only if every one did, register the (complete) replica. Returns (replica id or ""
+        when one lapsed, version complete, released)."""
+        now = self._now(now)
+        self._worker(req.worker_id)
+        if req.manifest is None:  # refused before any lease is released
+            req = self._by_digest(req)
+        released: dict[str, bool] = {}
+        for lid in req.release:
+            l = self.leases.get(lid)
+            released[lid] = l is not None and l.worker_id == req.worker_id and self.release_lease(now, lid)
+        if not all(released.values()):
+            return "", self.catalog.version(req.model, req.version).complete, released
+        rid, complete = self.register_replica(now, req.model_copy(update={"release": []}))
+        return rid, complete, released
+
+    def _by_digest(self, req: RegisterReplica) -> RegisterReplica:
+        """The request with the registered manifest its digest names (refused if the shard
+        has none yet, or another one)."""
+        known = self.catalog.manifest(req.model, req.version, req.layout, req.shard)
+        key = (req.model, req.version, req.layout, req.shard)
+        digest = self._digests.get(key)
+        if digest is None:
+            digest = manifest_digest(known)
+            self._digests[key] = digest
+            while len(self._digests) > DIGESTS_KEPT:
+                self._digests.pop(next(iter(self._digests)))
+        if digest != req.manifest_digest:
+            raise ManifestMismatchError(
+                f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}: manifest digest "
+                f"{req.manifest_digest} != registered {digest}", "manifest_mismatch")
+        if len(req.addresses) != len(known.tensors):
+            raise InvalidRequestError(f"{len(req.addresses)} addresses for {len(known.tensors)} tensors",
+                                      "bad_request")
+        return req.model_copy(update={"manifest": known})
 
     @staticmethod
     def _check_partial(req: RegisterReplica, known: Optional[Manifest]) -> None:
@@ -481,7 +536,8 @@ class CoordinatorState:
         own_num = 0
         partials: list[tuple[Replica, Worker]] = []  # other readers' partial replicas
         for r in self.registry.replicas_of_shard(key):
-            if r.worker_id == req.worker_id and r.chunks is not None:
+            if r.worker_id == req.worker_id and r.chunks is not None and r.status_addr is None:
+                # (a chunk-map replica reports nothing: no reservations from its reports)
                 own, own_num = frozenset(r.chunks | r.coming), r.num_chunks
             if r.chunks is not None and r.worker_id != req.worker_id:
                 arrivals.add(r.worker_id)
@@ -544,6 +600,7 @@ class CoordinatorState:
                                             lease.reserved)
             reserved = sorted(lease.reserved)
         chunk_bytes = grid_chunk_bytes(li.manifests[req.shard].nbytes) if req.pipelined else 0
+        partial_id, refused = self._serve_offer(now, req, li.num_shards) if refresh is None else (None, "")
         grant = LeaseGrant(
             lease_id=lid,
             model=req.model,
@@ -559,6 +616,8 @@ class CoordinatorState:
                     locality=w.locality, addresses=r.addresses, cost=cost,
                     chunks=None if r.chunks is None else sorted(r.chunks),
                     coming=sorted(r.coming) if r.chunks is not None else [],
+                    status_addr=r.status_addr, status_tag=r.status_tag,
+                    num_chunks=r.num_chunks if r.chunks is not None else 0,
                 )
                 for cost, r, w in chosen
             ],
@@ -570,10 +629,28 @@ class CoordinatorState:
             reserved=reserved,
             seed=choice.seed,
             reason=choice.reason,
+            partial_replica_id=partial_id,
+            serve_refused=refused,
         )
         if req.request_id is not None and refresh is None:
             self.lease_requests[(req.worker_id, req.request_id)] = (lid, grant)
         return grant
+
+    def _serve_offer(self, now: float, req: AcquireLease, num_shards: int) -> tuple[Optional[str], str]:
+        """Register the partial replica a new pipelined lease offers (``req.serve``):
+        (its id, "") or (None, why it was refused); the lease stands either way."""
+        o = req.serve
+        if o is None or not req.pipelined:
+            return None, ""
+        try:
+            rid, _ = self.register_replica(now, RegisterReplica(
+                worker_id=req.worker_id, model=req.model, version=req.version, layout=req.layout, shard=req.shard,
+                num_shards=num_shards, manifest_digest=o.manifest_digest, addresses=o.addresses, partial=True,
+                chunk_bytes=o.chunk_bytes, num_chunks=o.num_chunks, status_addr=o.status_addr,
+                status_tag=o.status_tag))
+            return rid, ""
+        except (ConflictError, NotFoundError, InvalidRequestError) as e:
+            return None, e.message
 
     def _check_gone(self, now: float, key: ShardKey, reader: str) -> None:
         """Raise ``version_gone`` when nobody serves the shard and nobody can again

@@ -136,6 +136,14 @@ class Manifest(_Model):
         return sum(t.nbytes for t in self.tensors)
 
 
+def manifest_digest(m: Manifest) -> str:
+    """The digest a replica may register by instead of its manifest (``RegisterReplica``):
+    sha256 of the manifest's canonical JSON."""
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(m.model_dump_json().encode()).hexdigest()
+
+
 def first_difference(a: Manifest, b: Manifest) -> Optional[str]:
     """Describe the first difference between two manifests, or None if they are equal."""
     if len(a.tensors) != len(b.tensors):
@@ -189,7 +197,10 @@ class RegisterReplica(_Model):
     layout: Name = "hf"
     shard: Shard = 0
     num_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] = 1
-    manifest: Manifest
+    #: The shard's manifest; or, when the coordinator has it already (a reader registering
+    #: what it fetched), only ``manifest_digest`` (``manifest_digest()`` of it): one of the two.
+    manifest: Optional[Manifest] = None
+    manifest_digest: Optional[Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]] = None
     addresses: list[Address] = Field(max_length=MAX_TENSORS)
     #: A reader that is still receiving (pipelined replication): it serves only the chunks
     #: it reports through ``ReportChunks``; registering again without ``partial`` completes it.
@@ -197,12 +208,29 @@ class RegisterReplica(_Model):
     #: The chunk grid the partial replica uses (must be the lease's ``chunk_bytes``).
     chunk_bytes: Annotated[int, Field(ge=0, le=1 << 30)] = 0
     num_chunks: Annotated[int, Field(ge=0, le=MAX_CHUNKS)] = 0
+    #: A partial replica's chunk map (``_chunkmap``): where its status bytes lie in the
+    #: holder's registered memory, and the tag they start with. Readers then learn which
+    #: chunks it holds from it (one-sided), and it sends no chunk reports.
+    status_addr: Optional[Address] = None
+    status_tag: Optional[Annotated[int, Field(ge=1, lt=1 << 64)]] = None
+    #: Release these leases of the worker in the same call (a reader registering what it
+    #: read under them): the replica is registered only if every one stayed valid, and the
+    #: answer's ``released`` says which did.
+    release: list[Ident] = Field(default_factory=list, max_length=1024)
 
     @model_validator(mode="after")
     def _shape(self) -> "RegisterReplica":
         if self.shard >= self.num_shards:
             raise ValueError(f"shard {self.shard} >= num_shards {self.num_shards}")
-        if len(self.addresses) != len(self.manifest.tensors):
+        if (self.manifest is None) == (self.manifest_digest is None):
+            raise ValueError("send the manifest or its digest (manifest_digest), exactly one of them")
+        if (self.status_addr is None) != (self.status_tag is None):
+            raise ValueError("status_addr and status_tag go together")
+        if self.status_addr is not None and not self.partial:
+            raise ValueError("status_addr is for partial replicas")
+        if self.release and self.partial:
+            raise ValueError("release goes with the complete registration")
+        if self.manifest is not None and len(self.addresses) != len(self.manifest.tensors):
             raise ValueError(
                 f"{len(self.addresses)} addresses for {len(self.manifest.tensors)} tensors"
             )
@@ -213,6 +241,19 @@ class Unpublish(_Model):
     worker_id: Ident
     #: Only these replicas of the worker (default: all of its replicas of the version).
     replica_ids: Optional[list[Ident]] = Field(default=None, max_length=1024)
+
+
+class ServeOffer(_Model):
+    """A pipelined reader offers to serve the shard while it receives it: its partial
+    replica (destination addresses and chunk map, ``_chunkmap``), registered together with
+    its first lease (one call; readers arriving later are sent to it at once)."""
+
+    manifest_digest: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
+    addresses: list[Address] = Field(max_length=MAX_TENSORS)
+    chunk_bytes: Annotated[int, Field(ge=1, le=1 << 30)]
+    num_chunks: Annotated[int, Field(ge=1, le=MAX_CHUNKS)]
+    status_addr: Address
+    status_tag: Annotated[int, Field(ge=1, lt=1 << 64)]
 
 
 class AcquireLease(_Model):
@@ -232,6 +273,8 @@ class AcquireLease(_Model):
     #: Answer the shard's manifest in the grant (and in refreshes). Readers that keep
     #: manifests by version (final once registered: ``GET .../manifest``) send false.
     manifest: bool = True
+    #: A new pipelined lease only: register this partial replica of the reader with it.
+    serve: Optional[ServeOffer] = None
 
 
 class ReportChunks(_Model):
@@ -280,6 +323,13 @@ class FetchReport(_Model):
     failed_sources: Annotated[int, Field(ge=0, le=1 << 20)] = 0
 
 
+class Heartbeat(_Model):
+    """A heartbeat's optional body: the worker's fetch reports since the last one
+    (progress folded into heartbeats: no call of their own)."""
+
+    fetches: list[FetchReport] = Field(default_factory=list, max_length=64)
+
+
 class SwapReport(_Model):
     """An engine switched to ``version`` (or failed to): how long it stalled serving."""
 
@@ -306,6 +356,11 @@ class ReplicaInfo(_Model):
     chunks: Optional[list[int]] = None
     #: Chunks a partial replica is receiving now (a hint; never read from it for these).
     coming: list[int] = Field(default_factory=list)
+    #: A partial replica with a chunk map (``_chunkmap``): read it from the source for
+    #: the chunks it holds (``chunks`` is then empty); None: an older holder's reports.
+    status_addr: Optional[int] = None
+    status_tag: Optional[int] = None
+    num_chunks: int = 0
 
 
 class LeaseGrant(_Model):
@@ -331,6 +386,10 @@ class LeaseGrant(_Model):
     reserved: Optional[list[int]] = None
     seed: bool = False
     reason: str = ""
+    #: The reader's partial replica registered with this lease (``AcquireLease.serve``);
+    #: None when none was offered or it was refused (``serve_refused`` says why).
+    partial_replica_id: Optional[str] = None
+    serve_refused: str = ""
 
 
 class Error(_Model):
@@ -356,6 +415,9 @@ class HeartbeatAnswer(_Answer):
     #: What the worker served since this coordinator started (None: an older coordinator).
     served_leases: Optional[int] = None
     served_bytes: Optional[int] = None
+    #: Fetch reports the heartbeat carried that were recorded (None: an older coordinator,
+    #: which ignores them: the client posts them to ``/v1/fetches`` instead).
+    fetches: Optional[int] = None
 
 
 class WorkerRemoved(_Answer):
@@ -403,8 +465,12 @@ class VersionView(_Answer):
 
 
 class ReplicaRegistered(_Answer):
+    #: Empty when the request released leases and one had lapsed (nothing registered).
     replica_id: str
     complete: bool
+    #: The leases the request released: lease id -> stayed valid (None: none asked, or an
+    #: older coordinator).
+    released: Optional[dict[str, bool]] = None
 
 
 class Unpublished(_Answer):

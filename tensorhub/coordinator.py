@@ -42,6 +42,7 @@ from ._coordinator import NOT_LEADER, Coordinator, ha_coordinator
 from ._state import StateConfig
 from ._views import version_view
 from ._wire import (
+    Heartbeat,
     MAX_BODY_BYTES,
     MAX_NAME_LEN,
     MAX_SHARDS,
@@ -168,15 +169,25 @@ class _FastHeartbeat:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         m = self._PATH.fullmatch(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if m is None:
+        if m is None or _has_body(scope):  # a body carries fetch reports: the route parses it
             return await self.app(scope, receive, send)
         wid = m.group(1)
         try:
             w = self.coord.call(lambda now: self.coord.state.heartbeat(now, wid), soft=True)
-            resp = JSONResponse(_heartbeat_answer(self.coord, w))
+            resp = JSONResponse(_heartbeat_answer(self.coord, w) | {"fetches": 0})
         except CoordinatorError as e:
             resp = _not_leader(self.coord, scope) if e.code == NOT_LEADER else error_response(e)
         await resp(scope, receive, send)
+
+
+def _has_body(scope: Any) -> bool:
+    """More than an empty JSON object in the request's body (by its content-length)."""
+    for k, v in scope.get("headers", ()):
+        if k == b"content-length":
+            return v.isdigit() and int(v) > 2
+        if k == b"transfer-encoding":
+            return True
+    return False
 
 
 def _heartbeat_answer(coord: Coordinator, w: Any) -> dict:
@@ -261,9 +272,18 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
                 "lease_ttl": coord.config.lease_ttl}
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
-    async def heartbeat(worker_id: str = _id()) -> dict:
+    async def heartbeat(worker_id: str = _id(), req: Optional[Heartbeat] = Body(default=None)) -> dict:
+        """A worker is alive; its body (optional) carries its fetch reports since the last
+        one (progress folded into heartbeats), recorded as ``POST /v1/fetches`` would."""
         w = coord.call(lambda now: st().heartbeat(now, worker_id), soft=True)
-        return _heartbeat_answer(coord, w)
+        done = 0
+        for rep in (req.fetches if req is not None else []):
+            try:
+                record(rep)
+                done += 1
+            except CoordinatorError as e:  # an unknown model: telemetry only, the heartbeat stands
+                logger.debug("fetch report of %s in a heartbeat not recorded: %s", worker_id, e)
+        return _heartbeat_answer(coord, w) | {"fetches": done}
 
     @app.delete("/v1/workers/{worker_id}")
     async def remove_worker(worker_id: str = _id()) -> dict:
@@ -309,11 +329,14 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
 
     @app.post("/v1/replicas")
     def register_replica(req: RegisterReplica) -> dict:
-        rid, complete = coord.call(lambda now: st().register_replica(now, req))
-        logger.debug("replica %s: %s v%d layout %r shard %d/%d on worker %s%s", rid, req.model, req.version,
-                     req.layout, req.shard, req.num_shards, req.worker_id,
+        if req.release:  # a reader's last call of a read: release its leases, then register
+            rid, complete, released = coord.call(lambda now: st().release_and_register(now, req))
+        else:
+            (rid, complete), released = coord.call(lambda now: st().register_replica(now, req)), None
+        logger.debug("replica %s: %s v%d layout %r shard %d/%d on worker %s%s", rid or "(not registered)",
+                     req.model, req.version, req.layout, req.shard, req.num_shards, req.worker_id,
                      " (partial)" if req.partial else " (version complete)" if complete else "")
-        return {"replica_id": rid, "complete": complete}
+        return {"replica_id": rid, "complete": complete} | ({"released": released} if released is not None else {})
 
     @app.get("/v1/models/{model}/versions/{version}")
     def version_info(model: str = _model(), version: int = _version()) -> dict:
@@ -389,7 +412,12 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     @app.post("/v1/fetches")
     async def fetch_report(req: FetchReport) -> dict:
         """A reader reports a fetch: while it runs (shown by ``status``) and when it ended
-        (counted in ``/metrics``). Only models the coordinator knows are accepted."""
+        (counted in ``/metrics``). Only models the coordinator knows are accepted. (Newer
+        clients send these in their heartbeats' bodies.)"""
+        record(req)
+        return {}
+
+    def record(req: FetchReport) -> None:
         by_distance = coord.call(lambda now: st().record_fetch(now, req), soft=True)
         if req.state != "running":
             coord.metrics.fetch(req.model, req.state, by_distance, req.nbytes, req.seconds)
@@ -399,7 +427,6 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
                        req.model, req.version, req.layout, req.shard, req.worker_id, req.state,
                        req.nbytes / 1e6, req.seconds, gbps, dict(sorted(req.sources.items())[:8]),
                        f", {req.failed_sources} failed source(s)" if req.failed_sources else "")
-        return {}
 
     @app.post("/v1/swaps")
     async def swap_report(req: SwapReport) -> dict:

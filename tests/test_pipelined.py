@@ -3,8 +3,11 @@
 In process (embedded coordinator, in-memory transport with throttled sources so reads
 overlap) with an invariant checker at the transport: every byte range any reader asks of
 a source must be complete in that source's memory at that moment (published, or written
-by a batch the source's own transport already reported DONE). Then over real Mooncake
-between processes on loopback.
+by a batch the source's own transport already reported DONE). Reads of a partial
+replica's chunk map (``_chunkmap``: what tells readers which chunks are ready) are the only
+other reads allowed, and every map is checked when it is set: a chunk is marked ready only
+once its bytes are complete in the holder's memory. Then over real Mooncake between
+processes on loopback, with the same check across processes (``tests/test_chunkmap.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ _LOCK = threading.Lock()
 _COMPLETE: dict[str, list[tuple[int, int]]] = {}  # endpoint -> ranges complete in its memory
 _VIOLATIONS: list[str] = []
 _READS: list[tuple[str, str, int]] = []  # (reader endpoint, source endpoint, bytes)
+_MAPS: list[tuple[int, int]] = []  # (addr, nbytes) of every chunk map made
+_MAP_READS: list[str] = []  # source endpoints whose chunk map was read
 
 
 def _add(ep: str, a: int, n: int) -> None:
@@ -55,6 +60,9 @@ class CheckedTransport(InMemoryTransport):
     def submit_read(self, peer, ops):
         with _LOCK:
             for op in ops:
+                if any(a <= op.remote_addr and op.remote_addr + op.length <= a + n for a, n in _MAPS):
+                    _MAP_READS.append(peer)  # a chunk map: status bytes, not data
+                    continue
                 if not _covered(peer, op.remote_addr, op.length):
                     _VIOLATIONS.append(f"{self.endpoint} read [{op.remote_addr:#x}, +{op.length}) from {peer}, "
                                        "not complete there")
@@ -75,11 +83,38 @@ class CheckedTransport(InMemoryTransport):
 
 
 @pytest.fixture(autouse=True)
-def _reset():
+def _reset(monkeypatch):
+    from tensorhub import _chunkmap, _fetch
+
     with _LOCK:
         _COMPLETE.clear()
         _VIOLATIONS.clear()
         _READS.clear()
+        _MAPS.clear()
+        _MAP_READS.clear()
+    made = _chunkmap.ChunkMap.__init__
+
+    def init(self, n):
+        made(self, n)
+        with _LOCK:
+            _MAPS.append(self.region)
+
+    monkeypatch.setattr(_chunkmap.ChunkMap, "__init__", init)
+    publish = _fetch.PipelinedSources.publish_progress
+
+    def checked(self, force=False):
+        """Every chunk about to be marked ready must be complete in the holder's memory."""
+        r, m = self.r, self.map
+        if m is not None:
+            ep = self.f.transport.endpoint
+            for c, _ in r.completed[self.sent:]:
+                for i, off, n in r.chunks[c]:
+                    with _LOCK:
+                        if not _covered(ep, r.local[i] + off, n):
+                            _VIOLATIONS.append(f"{ep} marked chunk {c} ready before its bytes were complete")
+        publish(self, force)
+
+    monkeypatch.setattr(_fetch.PipelinedSources, "publish_progress", checked)
     yield
 
 
@@ -141,6 +176,7 @@ def test_fan_out_readers_serve_each_other_and_never_read_incomplete_chunks(hubs)
     from_pub = sum(f.sources.get("pub", 0) for f in got.values())
     total = sum(f.nbytes for f in got.values())
     assert from_pub < 0.75 * total, f"readers read {from_pub / total:.0%} from the publisher"
+    assert _MAP_READS, "readers learned what partial sources hold without reading their chunk maps"
     # single source would take 4 x 16 MiB / 24 MiB/s = 2.7 s
     assert took < 2.4, took
 
