@@ -31,6 +31,7 @@ versions are never labels (workers churn, versions grow every step).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -81,6 +82,9 @@ class CoordinatorMetrics:
                                        "Replicas readers reported failing (dead, hung, refused).", ["model"],
                                        registry=r)
         self.leases_granted = Counter("tensorhub_leases_granted", "Read leases granted.", ["model"], registry=r)
+        self.requests = Counter("tensorhub_requests", "HTTP requests answered, by route (method and path "
+                                "template; at most 64 routes, the rest counted as 'other').", ["route"], registry=r)
+        self._routes: dict[str, Any] = {}
         self.swap_stall = Histogram("tensorhub_swap_stall_seconds",
                                     "Engine stalls while switching weight versions (seconds), as engines report.",
                                     ["model"], buckets=SECONDS_BUCKETS, registry=r)
@@ -90,6 +94,16 @@ class CoordinatorMetrics:
                       "When this coordinator process started (Unix time; changes on restart).", registry=r)
         start.set(start_time)
         r.register(_StateCollector(view))
+
+    def request(self, method: str, path: str) -> None:
+        """Count one HTTP request under its route (``POST /v1/leases/{id}/renew``)."""
+        route = _route(method, path)
+        c = self._routes.get(route)
+        if c is None:
+            if len(self._routes) >= 64:
+                route = "other"
+            c = self._routes.setdefault(route, self.requests.labels(route))
+        c.inc()
 
     def track_election(self, election: Any) -> None:
         """Highly available coordinators (``_election.Election``): its role and counts."""
@@ -141,6 +155,17 @@ class _ElectionCollector:
                                       "Leader changes this coordinator process saw (including its own elections).")
         changes.add_metric([], e.changes)
         yield from (leader, won, lost, changes)
+
+
+_IDS = re.compile(r"/(workers|replicas|leases)/[^/]+")
+_MODELS = re.compile(r"/models/[^/]+")
+_VERSIONS = re.compile(r"/versions/[^/]+")
+
+
+def _route(method: str, path: str) -> str:
+    """``POST /v1/workers/w1/heartbeat`` -> ``POST /v1/workers/{id}/heartbeat``."""
+    p = _VERSIONS.sub("/versions/{version}", _MODELS.sub("/models/{model}", _IDS.sub(r"/\1/{id}", path)))
+    return f"{method} {p[:96]}"
 
 
 class _StateCollector:

@@ -119,13 +119,15 @@ class _Guard:
     ten times its size in memory (a 48 MiB manifest of a million tiny tensors peaks near
     500 MiB before it is refused), so concurrent large requests cannot multiply that."""
 
-    def __init__(self, app: Any, expected: Optional[bytes]) -> None:
-        self.app, self.expected = app, expected
+    def __init__(self, app: Any, expected: Optional[bytes], count: Optional[Callable[[str, str], None]] = None) -> None:
+        self.app, self.expected, self.count = app, expected, count
         self._large = asyncio.Semaphore(1)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.count is not None:  # ``tensorhub_requests_total{route}``: calls per reader, per version
+            self.count(scope["method"], scope["path"])
         auth = length = chunked = None
         for k, v in scope["headers"]:
             if k == b"authorization" and auth is None:
@@ -228,7 +230,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     app.add_middleware(_FastHeartbeat, coord=coord)
     if coord.election is not None:
         app.add_middleware(_LeaderGate, coord=coord)
-    app.add_middleware(_Guard, expected=expected)  # added last: outermost
+    app.add_middleware(_Guard, expected=expected, count=coord.metrics.request)  # added last: outermost
 
     @app.exception_handler(CoordinatorError)
     async def _coordinator_error(request: Request, exc: CoordinatorError) -> JSONResponse:

@@ -38,10 +38,22 @@ def test_coordinator_answers_everything_under_a_short_load():
     assert out["bytes_per_replica"] > 0
 
 
+def _fleet():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fleet.py"
+    _bench()  # bench_fleet imports bench_load's helpers
+    spec = importlib.util.spec_from_file_location("bench_fleet", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_fleet"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_fleet_mode_bookkeeping():
-    """Fleet mode, shortened: every simulated pipelined reader completes each phase's
-    version, its calls are counted by route, nothing answers an HTTP error."""
-    bench = _bench()
+    """Fleet mode (benchmarks/bench_fleet.py), shortened: every simulated pipelined reader
+    completes each phase's version with the chunk-map protocol, its calls are counted by
+    route (a fixed number per reader, whatever the chunk count), nothing answers an HTTP
+    error; the protocol before chunk maps still runs for comparison."""
+    bench = _fleet()
     readers = 12
     out = bench.run_fleet(workers=300, readers=readers, tensors=300, chunks=(64, 128), history=(2, 6),
                           history_tensors=4, heartbeat=1.0, link_gbps=10.0, connections=8, idle_seconds=0.5)
@@ -52,15 +64,26 @@ def test_fleet_mode_bookkeeping():
     for name, ph in out["phases"].items():
         assert ph["completed"] == readers, (name, ph)
         c = ph["calls"]
-        once = ("POST resolve", "POST leases (new)", "GET manifest", "POST replicas (partial)",
-                "POST replicas (complete)", "POST fetches (ok)")
+        once = ("POST resolve", "POST leases (new, serving)", "GET manifest", "POST replicas (complete + release)")
         for route in once:  # one each per reader and version, as PipelinedSources does
             assert c[route] == readers, (name, route, c)
-        assert c["POST versions"] == 2 * readers  # Session.register_replica allocates first, twice
-        assert c["POST release"] >= readers
-        assert c["POST chunks"] >= readers  # at least the final, forced report
-        assert ph["calls_per_reader"] == round(sum(c.values()) / readers, 2)
+        assert c.get("POST leases (refresh)", 0) <= readers  # at most one each
+        assert set(c) <= set(once) | {"POST leases (refresh)", "POST renew"}, c
+        assert ph["calls_per_reader"] == round(sum(c.values()) / readers, 2) <= 6
         assert ph["heartbeats"] > 0 and ph["leases"] >= readers
     assert out["phases"]["chunks"]["chunks"] == 128 and out["phases"]["history"]["history"] == 6
     text = bench.report_fleet(out)
     assert "PASS" in text or "MISS" in text
+    old = bench.run_fleet(workers=100, readers=4, tensors=300, chunks=(64, 128), history=(2, 3), history_tensors=4,
+                          heartbeat=1.0, link_gbps=10.0, connections=8, idle_seconds=0.2, protocol="reports")
+    assert old["errors"] == 0 and all(p["completed"] == 4 for p in old["phases"].values()), old
+    assert all(p["calls"]["POST chunks"] >= 4 for p in old["phases"].values())
+
+
+def test_bench_load_fleet_flag_runs_bench_fleet(capsys):
+    """``bench_load.py --fleet`` keeps working (it runs bench_fleet's main)."""
+    bench = _bench()
+    rc = bench.main(["--fleet", "--workers", "60", "--readers", "2", "--fleet-tensors", "300", "--chunks", "64", "128",
+                     "--history", "1", "2", "--history-tensors", "2", "--heartbeat", "1.0"])
+    assert rc == 0
+    assert "chunkmap protocol" in capsys.readouterr().out

@@ -93,6 +93,75 @@ class _Gated:
         return st
 
 
+class _Traced:
+    """Wraps a transport and writes what it did to ``path`` (JSON lines, times on the
+    system-wide monotonic clock, so several processes' traces compare): each remote range
+    a read asks for (``read``), each local range a batch completed into, when this process
+    learned it (``complete``), and every chunk map this process made (``map``). With
+    ``delay``, a batch's result reaches the Hub that long after the transport said so
+    (reads overlap on a fast loopback). ``tests/test_chunkmap.py`` checks the traces."""
+
+    def __init__(self, inner: Any, path: str, delay: float = 0.0) -> None:
+        import json
+        import threading
+
+        self._inner, self._delay, self._json = inner, delay, json
+        self._f = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
+        self._ops: dict[int, list] = {}
+        self._seen: dict[int, tuple[int, float]] = {}
+        from .. import _chunkmap
+
+        made = _chunkmap.ChunkMap.__init__
+        me = self
+
+        def init(cm: Any, n: int) -> None:
+            made(cm, n)
+            me.log("map", addr=cm.addr, n=cm.region[1])
+
+        _chunkmap.ChunkMap.__init__ = init  # type: ignore[method-assign]
+
+    def log(self, ev: str, **kw: Any) -> None:
+        with self._lock:
+            self._f.write(self._json.dumps(dict(kw, ev=ev, t=time.monotonic())) + "\n")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def start(self) -> str:
+        ep = self._inner.start()
+        self.log("endpoint", ep=ep)
+        return ep
+
+    def published(self, tensors: dict) -> None:
+        for t in tensors.values():
+            self.log("complete", addr=t.data_ptr(), n=t.numel() * t.element_size())
+
+    def submit_read(self, peer: str, ops: Any) -> int:
+        for op in ops:
+            self.log("read", peer=peer, addr=op.remote_addr, n=op.length)
+        h = self._inner.submit_read(peer, ops)
+        self._ops[h] = [(op.local_addr, op.length) for op in ops]
+        return h
+
+    def poll(self, handle: int) -> int:
+        if handle in self._seen:
+            st, at = self._seen[handle]
+        else:
+            st, at = self._inner.poll(handle), time.monotonic()
+            if st == 0:
+                return 0
+            self._seen[handle] = (st, at)
+        if time.monotonic() < at + self._delay:
+            return 0
+        del self._seen[handle]
+        ops = self._ops.pop(handle, [])
+        if st == 1:
+            for a, n in ops:
+                self.log("complete", addr=a, n=n)
+        return st
+
+
 def enter_netns(name: str) -> None:
     """Move this process into network namespace ``name`` (``ip netns add`` made it)."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -120,6 +189,7 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
 
     own_transport = options.pop("own_transport", False)
     copy_delay = options.pop("copy_delay", 0.0)
+    trace = options.pop("trace", None)  # (path, delay): trace the data plane (``_Traced``)
     transport_for_hub: Any = None
     transport = MooncakeTransport(host=data_host, progress_timeout=options.get("progress_timeout"))
     if own_transport:  # the Hub creates its transport, as in production (same-host reads included)
@@ -130,6 +200,8 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
         # The Hub only calls start/endpoint/register/unregister/submit_read/poll/close.
         gated.start = lambda: transport.endpoint  # already started
         transport_for_hub = gated
+    elif trace is not None:
+        transport_for_hub = _Traced(transport, trace[0], trace[1])
     else:
         transport_for_hub = transport
     try:
@@ -153,6 +225,8 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                         snap[k].copy_(t)
                     w = snap
                 where = {k: kw[k] for k in ("layout", "shard", "num_shards") if k in kw}
+                if isinstance(transport_for_hub, _Traced):  # complete before anyone may read it
+                    transport_for_hub.published(w)
                 v = hub.publish(MODEL, w, version=kw.get("version"), **where)
                 published.setdefault(v, []).append((w, kw["nbytes"]))
                 conn.send(("ok", v))

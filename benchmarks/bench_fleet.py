@@ -1,0 +1,726 @@
+"""Control plane at fleet scale (issue 13's figures), against the real coordinator process.
+
+``--workers`` (10,000) simulated workers heart-beat while ``--readers`` (1,024) simulated
+pipelined readers fetch one version of a ``--fleet-tensors`` (50,000) MoE manifest, each
+speaking the protocol as ``tensorhub._fetch.PipelinedSources`` does, with the data plane
+replaced by a clock (a reader completes chunks at ``--link-gbps`` from the chunks its
+sources hold). Three phases on one coordinator (``--keep-versions`` keeps them all): a
+base (``--chunks`` and ``--history`` firsts), more chunks per shard, more retained
+versions; printed side by side with the ratio to the base and issue 13's targets marked
+PASS/MISS.
+
+Two protocols (``--protocol``):
+
+* ``chunkmap`` (default, what the Hub does now): resolve; the manifest GET once; one
+  pipelined lease that also registers the reader's partial replica (``serve``: manifest by
+  digest, its chunk map's address); what partial sources hold is read from the sources'
+  chunk maps (``_chunkmap``: one-sided reads, no coordinator call -- simulated here by
+  looking at the other simulated readers' chunks); at most one lease refresh (to learn
+  partial replicas registered since); the release and the complete replica in one call;
+  fetch progress rides on the worker's heartbeats (its body).
+* ``reports`` (the protocol before chunk maps, for comparison): partial replica and
+  complete replica registered with the whole manifest, each after an allocation; chunk
+  reports and lease refreshes every 50-100 ms; progress and the final fetch report posted.
+
+    python benchmarks/bench_fleet.py                # 10,000 workers, 1,024 readers, 50,000 tensors
+    python benchmarks/bench_fleet.py --workers 300 --readers 12 --fleet-tensors 300 --chunks 64 128 --history 3 30
+    python benchmarks/bench_load.py --fleet ...     # the same (bench_load's fleet mode lives here)
+
+``run_fleet(...)`` is what ``tests/test_load.py`` calls (shortened, no timing assertions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import secrets
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_load import CoordinatorProc, _cpu, _manifest, _pct, _Pool, _run_loop  # noqa: E402
+
+#: ``PipelinedReader.first_refresh``: the one refresh comes no sooner than this.
+FIRST_REFRESH = 0.1
+
+# N workers heart-beating and R simulated pipelined readers fetching one version, each
+# speaking the protocol exactly as ``tensorhub._fetch.PipelinedSources`` and
+# ``tensorhub._pipeline.PipelinedReader`` do today (their constants below), with the data
+# plane replaced by a clock: a reader completes chunks at ``link_gbps`` from the chunks its
+# lease's sources hold. Three phases on one coordinator, side by side: a base size, more
+# chunks per shard, more retained versions; the per-reader figures and their ratios show
+# whether the coordinator's work grows with either.
+
+#: ``_fetch.DEPTH``, ``PipelinedReader.refresh_interval`` (idle; twice that when busy),
+#: ``PipelinedSources.report_interval``, ``claim_patience``, ``TENSORHUB_PROGRESS_INTERVAL``.
+DEPTH, REFRESH, REPORT, CLAIM_PATIENCE, PROGRESS = 2, 0.05, 0.05, 0.5, 1.0
+#: Targets of issue 13 ("Figures").
+TARGET_P99_MS, TARGET_CALLS, TARGET_GROWTH = 50.0, 6.0, 1.25
+
+
+def moe_manifest(tensors: int, chunks: int) -> dict:
+    """A MoE checkpoint's manifest (hidden 2048, 128 experts of gate/up/down per layer, the
+    attention and norms, the embedding last) of ``tensors`` tensors, sized so its shard has
+    exactly ``chunks`` chunks on the grid (``tensorhub._grid``)."""
+    from tensorhub._grid import GRID_CHUNKS, grid_chunk_bytes
+
+    hidden, experts, bf16 = 2048, 128, 2
+    per = (1 << 20) if chunks <= GRID_CHUNKS else 64 << 20
+    target = chunks * per
+    shapes: list[tuple[str, list[int], bool]] = []  # name, shape ([rows] expert dim is filled in), expert?
+    layer = 0
+    while len(shapes) < tensors - 1:
+        pre = f"model.layers.{layer}."
+        shapes += [(pre + "self_attn.q_proj.weight", [hidden, hidden], False),
+                   (pre + "self_attn.k_proj.weight", [512, hidden], False),
+                   (pre + "self_attn.v_proj.weight", [512, hidden], False),
+                   (pre + "self_attn.o_proj.weight", [hidden, hidden], False),
+                   (pre + "input_layernorm.weight", [hidden], False),
+                   (pre + "post_attention_layernorm.weight", [hidden], False),
+                   (pre + "mlp.gate.weight", [experts, hidden], False)]
+        for e in range(experts):
+            for w in ("gate_proj", "up_proj", "down_proj"):
+                shapes.append((f"{pre}mlp.experts.{e}.{w}.weight", [0, hidden], True))
+        layer += 1
+    shapes = shapes[:tensors - 1]
+
+    def size(shape: list[int]) -> int:
+        n = bf16
+        for d in shape:
+            n *= d
+        return n
+
+    fixed = sum(size(s) for _, s, e in shapes if not e)
+    n_exp = sum(1 for _, _, e in shapes if e)
+    room = target - fixed - 2 * hidden * bf16  # leave at least 2 embedding rows
+    inter = max(8, (room * 9 // 10) // max(1, n_exp * hidden * bf16) // 8 * 8) if n_exp else 0
+    rows = (target - fixed - n_exp * inter * hidden * bf16) // (hidden * bf16)
+    if rows < 1:
+        raise ValueError(f"{tensors} tensors do not fit in {chunks} chunks of {per >> 20} MiB")
+    out = [{"name": n, "dtype": "bfloat16", "shape": [inter, s[1]] if e else s,
+            "nbytes": size([inter, s[1]] if e else s)} for n, s, e in shapes]
+    out.append({"name": "model.embed_tokens.weight", "dtype": "bfloat16", "shape": [rows, hidden],
+                "nbytes": rows * hidden * bf16})
+    total = sum(t["nbytes"] for t in out)
+    chunk = grid_chunk_bytes(total)
+    assert chunk == per and -(-total // chunk) == chunks, (total, chunk, chunks)
+    return {"tensors": out}
+
+
+@dataclass
+class Phase:
+    """One measured version: what the readers did and how the coordinator answered."""
+
+    name: str
+    chunks: int
+    history: int  # versions of the model the coordinator retains when the phase starts
+    version: int = 0
+    calls: dict[str, int] = field(default_factory=dict)  # route -> count over all readers
+    errors: dict[str, int] = field(default_factory=dict)  # route: what -> count
+    heartbeat: list[float] = field(default_factory=list)
+    lease: list[float] = field(default_factory=list)
+    completed: int = 0
+    fetch_seconds: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    cpu: float = 0.0  # coordinator CPU-seconds over the phase
+    idle_cpu_rate: float = 0.0  # coordinator cores with heartbeats only, just before the phase
+    manifest_bytes: int = 0
+    chunk_bytes: int = 0
+
+
+class _Fleet:
+    """The generator: one coordinator, two keep-alive pools (heartbeats, readers)."""
+
+    def __init__(self, url: str, pid: int, connections: int, seed: int) -> None:
+        self.pid = pid
+        self.hb = _Pool(url, max(2, connections // 4))
+        self.http = _Pool(url, connections)
+        self.rng = random.Random(seed)
+        self.phase: Optional[Phase] = None
+        self.setup_errors: dict[str, int] = {}
+        self.lease_ttl = 30.0
+        self.holding: dict[str, bytes] = {}  # worker -> its replica's registration (re-sent after expiry)
+        self.hb_skipped = 0  # heartbeats not sent: 4,096 already waiting for an answer
+        self.expired = 0  # heartbeats answered 404: the coordinator had dropped the worker
+        #: Fetch reports waiting for their worker's next heartbeat (chunkmap protocol).
+        self.beats: dict[str, list[dict]] = {}
+        #: Chunks each simulated reader holds (what its chunk map says), by worker.
+        self.have: dict[str, set[int]] = {}
+        self.protocol = "chunkmap"
+
+    async def call(self, route: str, method: str, path: str, body: Optional[dict] = None, *,
+                   raw: Optional[bytes] = None, lat: Optional[list] = None, parse: bool = True,
+                   pool: Optional[_Pool] = None) -> tuple[int, Any]:
+        """One request, counted under ``route`` in the current phase (or as setup)."""
+        ph = self.phase
+        if ph is not None and pool is None:
+            ph.calls[route] = ph.calls.get(route, 0) + 1
+        payload = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        t0 = time.perf_counter()
+        try:
+            status, data = await asyncio.wait_for((pool or self.http).request(method, path, payload), 120)
+        except Exception as e:
+            self._error(route, type(e).__name__)
+            return 0, None
+        if lat is not None:
+            lat.append(time.perf_counter() - t0)
+        if status >= 400:
+            code = ""
+            try:
+                code = json.loads(data).get("code", "")
+            except Exception:
+                pass
+            self._error(route, f"HTTP {status} {code}".strip())
+            return status, (json.loads(data) if data and parse else None)
+        return status, (json.loads(data) if data and parse else data)
+
+    def _error(self, route: str, what: str) -> None:
+        errs = self.phase.errors if self.phase is not None else self.setup_errors
+        k = f"{route}: {what}"
+        errs[k] = errs.get(k, 0) + 1
+
+    # ---- setup
+    async def register(self, ids: list[str], start: int = 0, pool: Optional[_Pool] = None) -> None:
+        sem = asyncio.Semaphore(64)
+        zones = ["z1", "z2", "z3", "z4"]
+
+        async def one(i: int, w: str) -> None:
+            async with sem:
+                _, r = await self.call("register", "POST", "/v1/workers", pool=pool, body={
+                    "worker_id": w, "endpoint": f"127.0.0.1:{20000 + i % 40000}",
+                    "locality": {"datacenter": "dc1", "zone": zones[i % len(zones)], "host": f"h{i // 8}"}})
+                if r:
+                    self.lease_ttl = float(r.get("lease_ttl", self.lease_ttl))
+
+        await asyncio.gather(*(one(i, w) for i, w in enumerate(ids, start)))
+
+    async def publish(self, model: str, trainer: str, manifest_json: bytes, addresses_json: bytes) -> int:
+        """The trainer publishes a new complete version (one replica); its number."""
+        _, r = await self.call("publish", "POST", f"/v1/models/{model}/versions", {})
+        if not r or "version" not in r:
+            raise RuntimeError(f"the trainer could not publish: {self.setup_errors}")
+        v = int(r["version"])
+        body = _replica_body(trainer, model, v, manifest_json, addresses_json)
+        await self.call("publish", "POST", "/v1/replicas", raw=body)
+        self.holding[trainer] = body
+        return v
+
+    # ---- heartbeats, all phases long
+    async def heartbeats(self, ids: list[str], every: float, stop: asyncio.Event, late: list[float]) -> None:
+        loop = asyncio.get_running_loop()
+        pending: set[asyncio.Task] = set()
+        period = every / max(1, len(ids))
+        start, i = loop.time(), 0
+
+        async def beat(k: int) -> None:
+            w = ids[k]
+            ph = self.phase
+            reports = self.beats.pop(w, None)  # progress rides on the heartbeat (``Session``)
+            st, _ = await self.call("heartbeat", "POST", f"/v1/workers/{w}/heartbeat",
+                                    {"fetches": reports} if reports else {}, pool=self.hb,
+                                    lat=ph.heartbeat if ph is not None else None, parse=False)
+            if st == 404:  # expired (heartbeats answered too late): register again, as the Hub does,
+                self.expired += 1  # the trainer with its replica of the measured version
+                await self.register([w], start=k, pool=self.hb)  # not a reader's call
+                again = self.holding.get(w)
+                if again is not None:
+                    await self.call("publish", "POST", "/v1/replicas", raw=again, pool=self.hb)
+
+        while not stop.is_set():
+            now = loop.time()
+            while start + i * period <= now:
+                if self.phase is not None:
+                    late.append(now - (start + i * period))
+                if len(pending) < 4096:
+                    t = asyncio.ensure_future(beat(i % len(ids)))
+                    pending.add(t)
+                    t.add_done_callback(pending.discard)
+                else:  # the coordinator is this far behind: bounded memory here, counted
+                    self.hb_skipped += 1
+                i += 1
+            await asyncio.sleep(max(0.002, start + i * period - loop.time()))
+        if pending:
+            await asyncio.wait(pending, timeout=60)
+
+    # ---- one simulated pipelined reader, chunk maps (the Hub now)
+    async def reader(self, wid: str, model: str, ph: Phase, man_json: bytes, addrs_json: bytes,
+                     link_bps: float, digest: str, tensors: int) -> None:
+        if self.protocol == "reports":
+            return await self.reader_reports(wid, model, ph, man_json, addrs_json, link_bps)
+        from tensorhub._planner import chunk_order
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        m = model
+        _, r = await self.call("POST resolve", "POST", f"/v1/models/{m}/resolve", {"group": None})
+        if not r:
+            return
+        v = int(r["version"])
+        st, _ = await self.call("GET manifest", "GET", f"/v1/models/{m}/versions/{v}/manifest?layout=hf&shard=0",
+                                parse=False)
+        n = ph.chunks
+        chunk_bytes = ph.chunk_bytes
+        base = (1 << 44) + (int(wid.rsplit("-", 1)[1]) << 32)
+        offer = {"manifest_digest": digest, "addresses": [base + k * (1 << 20) for k in range(tensors)],
+                 "chunk_bytes": chunk_bytes, "num_chunks": n, "status_addr": base - 4096,
+                 "status_tag": self.rng.getrandbits(63) | 1}
+        lease_body = {"worker_id": wid, "model": m, "version": v, "layout": "hf", "shard": 0, "max_sources": 4,
+                      "exclude": [], "pipelined": True, "lease_id": None, "manifest": False}
+        delay = 0.05
+        while True:
+            st, g = await self.call("POST leases (new, serving)", "POST", "/v1/leases",
+                                    dict(lease_body, request_id=secrets.token_hex(12), serve=offer), lat=ph.lease)
+            if st == 409 and g and g.get("code") == "no_replica" and loop.time() - t0 < 60:
+                await asyncio.sleep(delay * self.rng.uniform(0.5, 1.0))
+                delay = min(delay * 2, 1.0)
+                continue
+            break
+        if st != 200 or not g:
+            return
+        cur = g["lease_id"]
+        if not g.get("partial_replica_id"):
+            self._error("POST leases (new, serving)", f"partial replica refused: {g.get('serve_refused')}")
+        order = chunk_order(n, float(g.get("start", 0.0)), bool(g.get("reverse", False)))
+        done = self.have.setdefault(wid, set())
+        receiving: list[int] = []
+        sources = g["replicas"]
+        refreshed = False
+        now = loop.time()
+        last_renew, next_progress = now, t0 + PROGRESS
+        credit, last_tick, tick = 0.0, now, REFRESH / 2
+
+        def readable() -> set[int]:
+            out: set[int] = set()
+            for s in sources:
+                if s.get("status_addr") is not None:  # its chunk map, read from the source
+                    out |= self.have.get(s["worker_id"], set())
+                elif s.get("chunks") is None:
+                    out = set(range(n))
+                    break
+                else:
+                    out.update(s["chunks"])
+            return out - done
+
+        while len(done) < n:
+            now = loop.time()
+            if now - t0 > 600:
+                self._error("fetch", "timed out")
+                return
+            can = readable()
+            credit = min(credit + (now - last_tick) * link_bps, link_bps) if receiving else 0.0
+            last_tick = now
+            while True:
+                for c in order:
+                    if len(receiving) >= DEPTH * max(1, len(sources)):
+                        break
+                    if c in can and c not in receiving:
+                        receiving.append(c)
+                if not receiving or credit < chunk_bytes:
+                    break
+                c = receiving.pop(0)
+                credit -= chunk_bytes
+                done.add(c)  # marked in its own chunk map: others see it at once
+                can.discard(c)
+            if not refreshed and now - t0 >= FIRST_REFRESH and len(done) < n:
+                refreshed = True  # ``PipelinedReader.max_refreshes``: one
+                st, g2 = await self.call("POST leases (refresh)", "POST", "/v1/leases",
+                                         dict(lease_body, lease_id=cur), lat=ph.lease)
+                if st == 200 and g2:
+                    sources = g2["replicas"]
+            if now - last_renew >= max(0.1, self.lease_ttl / 3):
+                last_renew = now
+                await self.call("POST renew", "POST", f"/v1/leases/{cur}/renew", {})
+            if now >= next_progress:  # rides on the next heartbeat
+                next_progress = now + PROGRESS
+                self.beats.setdefault(wid, []).append(_fetch_report(
+                    wid, m, v, "running", len(done) * chunk_bytes, n * chunk_bytes, now - t0))
+            if len(done) < n:
+                await asyncio.sleep(tick)
+        st, rr = await self.call("POST replicas (complete + release)", "POST", "/v1/replicas", {
+            "worker_id": wid, "model": m, "version": v, "layout": "hf", "shard": 0, "num_shards": 1,
+            "manifest_digest": digest, "addresses": offer["addresses"], "release": [cur]})
+        seconds = loop.time() - t0
+        self.beats.setdefault(wid, []).append(
+            _fetch_report(wid, m, v, "ok", n * chunk_bytes, n * chunk_bytes, seconds))
+        if st == 200 and rr and rr.get("replica_id"):
+            ph.completed += 1
+            ph.fetch_seconds.append(seconds)
+        elif st == 200:
+            self._error("POST replicas (complete + release)", "lease lapsed")
+
+    # ---- one simulated pipelined reader, chunk reports (before chunk maps)
+    async def reader_reports(self, wid: str, model: str, ph: Phase, man_json: bytes, addrs_json: bytes,
+                     link_bps: float) -> None:
+        from tensorhub._planner import chunk_order
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        m = model
+        _, r = await self.call("POST resolve", "POST", f"/v1/models/{m}/resolve", {"group": None})
+        if not r:
+            return
+        v = int(r["version"])
+        lease_body = {"worker_id": wid, "model": m, "version": v, "layout": "hf", "shard": 0, "max_sources": 4,
+                      "exclude": [], "pipelined": True, "lease_id": None, "manifest": False}
+
+        async def new_lease() -> Optional[dict]:
+            body = dict(lease_body, request_id=secrets.token_hex(12))
+            delay = 0.05
+            while True:
+                st, g = await self.call("POST leases (new)", "POST", "/v1/leases", body, lat=ph.lease)
+                if st == 409 and g and g.get("code") == "no_replica" and loop.time() - t0 < 60:
+                    await asyncio.sleep(delay * self.rng.uniform(0.5, 1.0))
+                    delay = min(delay * 2, 1.0)
+                    continue
+                return g if st == 200 else None
+
+        g = await new_lease()
+        if g is None or not g.get("chunk_bytes"):
+            return
+        leases = [g["lease_id"]]
+        cur: Optional[str] = g["lease_id"]
+        st, _ = await self.call("GET manifest", "GET", f"/v1/models/{m}/versions/{v}/manifest?layout=hf&shard=0",
+                                parse=False)
+        chunk_bytes = int(g["chunk_bytes"])
+        n = ph.chunks
+        await self.call("POST versions", "POST", f"/v1/models/{m}/versions", {"version": v})
+        st, rr = await self.call("POST replicas (partial)", "POST", "/v1/replicas",
+                                 raw=_replica_body(wid, m, v, man_json, addrs_json,
+                                                   f',"partial":true,"chunk_bytes":{chunk_bytes},"num_chunks":{n}'))
+        pid = rr["replica_id"] if st == 200 and rr else None  # not serving while receiving, as the Hub goes on
+        order = chunk_order(n, float(g.get("start", 0.0)), bool(g.get("reverse", False)))
+        everything = frozenset(range(n))
+        done: set[int] = set()
+        completed: list[tuple[int, str]] = []  # (chunk, lease) not reported yet
+        receiving: list[int] = []
+        said_coming: list[int] = []
+        sources, claimed, reserved = g["replicas"], frozenset(g.get("claimed") or ()), g.get("reserved")
+        now = loop.time()
+        last_refresh, last_report, last_renew, last_progress = now, float("-inf"), now, now
+        next_progress = t0 + PROGRESS
+        credit = 0.0  # bytes the link could have moved since the last tick
+        tick = REFRESH / 2  # ``PipelinedReader._idle_cap``
+        last_tick = now
+
+        def readable(stalled: bool) -> set[int]:
+            coming = set(claimed)
+            for s in sources:
+                coming.update(s.get("coming") or ())
+            out: set[int] = set()
+            for s in sources:
+                ch = s.get("chunks")
+                if ch is not None:
+                    out.update(ch)
+                elif reserved is not None and not stalled:
+                    out.update(reserved)
+                else:
+                    out.update(everything if stalled else everything - coming)
+            return out - done
+
+        while len(done) < n:
+            now = loop.time()
+            if now - t0 > 600:  # the Hub's fetch_timeout: the fetch fails
+                self._error("fetch", "timed out")
+                return
+            stalled = not receiving and now - last_progress > CLAIM_PATIENCE
+            can = readable(stalled)
+            # the link moves bytes only while something is in flight
+            credit = min(credit + (now - last_tick) * link_bps, link_bps) if receiving else 0.0
+            last_tick = now
+            while True:  # DEPTH batches per source in flight, the link the only limit
+                for c in order:
+                    if len(receiving) >= DEPTH * max(1, len(sources)):
+                        break
+                    if c in can and c not in receiving:
+                        receiving.append(c)
+                if not receiving or credit < chunk_bytes:
+                    break
+                c = receiving.pop(0)
+                credit -= chunk_bytes
+                done.add(c)
+                can.discard(c)
+                completed.append((c, cur or ""))
+                last_progress = now
+            idle = not sources or len(receiving) < DEPTH * len(sources)
+            if len(done) < n and now - last_refresh >= REFRESH * (1 if idle else 2):
+                last_refresh = now
+                if cur is not None:
+                    st, g2 = await self.call("POST leases (refresh)", "POST", "/v1/leases",
+                                             dict(lease_body, lease_id=cur), lat=ph.lease)
+                    if st == 409:  # lease_lapsed: a new one (``PipelinedSources._acquire``)
+                        cur = None
+                    elif st != 200:
+                        g2 = None
+                else:
+                    g2 = None
+                if cur is None:
+                    g2 = await new_lease()
+                    if g2 is not None:
+                        cur = g2["lease_id"]
+                        leases.append(cur)
+                if g2:
+                    sources, claimed, reserved = g2["replicas"], frozenset(g2.get("claimed") or ()), g2.get("reserved")
+            now = loop.time()
+            if pid is not None and (completed or receiving != said_coming) and now - last_report >= REPORT:
+                last_report = now
+                await self._report(pid, wid, completed, receiving)
+                completed, said_coming = [], list(receiving)
+            if now - last_renew >= max(0.1, self.lease_ttl / 3):
+                last_renew = now
+                for lid in leases:
+                    await self.call("POST renew", "POST", f"/v1/leases/{lid}/renew", {})
+            if now >= next_progress:
+                next_progress = now + PROGRESS
+                await self.call("POST fetches (running)", "POST", "/v1/fetches", _fetch_report(
+                    wid, m, v, "running", len(done) * chunk_bytes, n * chunk_bytes, now - t0))
+            if len(done) < n:
+                await asyncio.sleep(tick)
+        if pid is not None and (completed or said_coming):  # ``attempt_done``: a forced report
+            await self._report(pid, wid, completed, [])
+        for lid in leases:
+            await self.call("POST release", "POST", f"/v1/leases/{lid}/release", {})
+        await self.call("POST versions", "POST", f"/v1/models/{m}/versions", {"version": v})
+        st, _ = await self.call("POST replicas (complete)", "POST", "/v1/replicas",
+                                raw=_replica_body(wid, m, v, man_json, addrs_json))
+        seconds = loop.time() - t0
+        await self.call("POST fetches (ok)", "POST", "/v1/fetches",
+                        _fetch_report(wid, m, v, "ok", n * chunk_bytes, n * chunk_bytes, seconds))
+        if st == 200:
+            ph.completed += 1
+            ph.fetch_seconds.append(seconds)
+
+    async def _report(self, pid: str, wid: str, completed: list[tuple[int, str]], coming: list[int]) -> None:
+        by_lease: dict[str, list[int]] = {}
+        for c, lid in completed:
+            by_lease.setdefault(lid, []).append(c)
+        for lid, cs in (by_lease or {"": []}).items():
+            await self.call("POST chunks", "POST", f"/v1/replicas/{pid}/chunks", {
+                "worker_id": wid, "chunks": cs, "lease_ids": [lid] if lid else [], "coming": sorted(coming)})
+
+
+def _replica_body(wid: str, model: str, v: int, man_json: bytes, addrs_json: bytes, extra: str = "") -> bytes:
+    """``Session.replica_body`` (+ ``extra`` fields), spliced from pre-encoded parts."""
+    return (f'{{"worker_id":"{wid}","model":"{model}","version":{v},"layout":"hf","shard":0,"num_shards":1,'
+            f'"manifest":').encode() + man_json + b',"addresses":' + addrs_json + extra.encode() + b"}"
+
+
+def _fetch_report(wid: str, model: str, v: int, state: str, nbytes: int, total: int, seconds: float) -> dict:
+    return {"worker_id": wid, "model": model, "version": v, "layout": "hf", "shard": 0, "state": state,
+            "nbytes": nbytes, "total": total, "seconds": round(seconds, 6), "sources": {}, "failed_sources": 0}
+
+
+async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensors: int, chunks: tuple[int, int],
+                       history: tuple[int, int], history_tensors: int, heartbeat: float, link_gbps: float,
+                       connections: int, idle_seconds: float, seed: int, protocol: str = "chunkmap") -> dict:
+    from tensorhub._grid import grid_chunk_bytes
+    from tensorhub._wire import Manifest, manifest_digest
+
+    fl = _Fleet(url, pid, connections, seed)
+    fl.protocol = protocol
+    model = "policy"
+    ids = [f"sim-{i:05d}" for i in range(max(workers, readers + 1))]
+    trainer, reader_ids = ids[0], ids[1:readers + 1]
+    t_setup = time.perf_counter()
+    await fl.register(ids)
+    phases = [Phase("base", chunks[0], history[0]), Phase("chunks", chunks[1], history[0]),
+              Phase("history", chunks[0], history[1])]
+    # Retained versions before the measured ones: small manifests (their number is the cost measured).
+    hist_man = json.dumps(_manifest(history_tensors)).encode()
+    hist_addrs = json.dumps([(1 << 32) + k * (8 << 20) for k in range(history_tensors)]).encode()
+    published = 0
+    stop = asyncio.Event()
+    late: list[float] = []
+    hb = asyncio.ensure_future(fl.heartbeats(ids, heartbeat, stop, late))
+    try:
+        for ph in phases:
+            while published < ph.history - 1:
+                await fl.publish(model, trainer, hist_man, hist_addrs)
+                published += 1
+            man = moe_manifest(tensors, ph.chunks)
+            man_json = json.dumps(man).encode()
+            addrs_json = json.dumps([(1 << 40) + k * (1 << 28) for k in range(tensors)]).encode()
+            ph.manifest_bytes = len(man_json)
+            ph.chunk_bytes = grid_chunk_bytes(sum(t["nbytes"] for t in man["tensors"]))
+            digest = manifest_digest(Manifest.model_validate(man))
+            fl.have.clear()
+            ph.version = await fl.publish(model, trainer, man_json, addrs_json)
+            published += 1
+            c0, t0 = _cpu(pid), time.perf_counter()
+            await asyncio.sleep(idle_seconds)  # heartbeats only: the baseline this phase's CPU is net of
+            ph.idle_cpu_rate = (_cpu(pid) - c0) / (time.perf_counter() - t0)
+            fl.phase = ph
+            c0, t0 = _cpu(pid), time.perf_counter()
+            link = link_gbps * 1e9
+
+            async def one(w: str) -> None:
+                await asyncio.sleep(fl.rng.uniform(0, 0.1))  # woken by one publish, not in lockstep
+                await fl.reader(w, model, ph, man_json, addrs_json, link, digest, tensors)
+
+            await asyncio.gather(*(one(w) for w in reader_ids))
+            ph.seconds = time.perf_counter() - t0
+            ph.cpu = _cpu(pid) - c0
+            fl.phase = None
+    finally:
+        stop.set()
+        await hb
+        await fl.http.close()
+        await fl.hb.close()
+    alive = True
+    try:
+        alive = (await _Pool(url, 1).request("GET", "/v1/info"))[0] == 200
+    except Exception:
+        alive = False
+    out: dict = {"protocol": protocol, "workers": len(ids), "readers": readers, "tensors": tensors, "heartbeat_interval": heartbeat,
+                 "link_gbps": link_gbps, "history_tensors": history_tensors, "alive_after": alive,
+                 "setup_seconds": round(time.perf_counter() - t_setup, 1), "setup_errors": fl.setup_errors,
+                 "expired": fl.expired, "heartbeats_skipped": fl.hb_skipped,
+                 "generator_late_ms": {"p50": round(_pct(late, 0.5) * 1e3, 2), "p99": round(_pct(late, 0.99) * 1e3, 2)},
+                 "phases": {}}
+    for ph in phases:
+        r = max(1, readers)
+        net = max(0.0, ph.cpu - ph.idle_cpu_rate * ph.seconds)
+        out["phases"][ph.name] = {
+            "chunks": ph.chunks, "history": ph.history, "version": ph.version, "manifest_mb": round(ph.manifest_bytes / 1e6, 2),
+            "seconds": round(ph.seconds, 2), "completed": ph.completed,
+            "fetch_s": {"p50": round(_pct(ph.fetch_seconds, 0.5), 2), "max": round(max(ph.fetch_seconds, default=float("nan")), 2)},
+            "calls": dict(sorted(ph.calls.items())), "calls_per_reader": round(sum(ph.calls.values()) / r, 2),
+            "calls_per_reader_by_route": {k: round(c / r, 2) for k, c in sorted(ph.calls.items())},
+            "errors": ph.errors, "heartbeats": len(ph.heartbeat), "leases": len(ph.lease),
+            "heartbeat_ms": {q: round(_pct(ph.heartbeat, x) * 1e3, 2) for q, x in (("p50", 0.5), ("p99", 0.99))}
+            | {"max": round(max(ph.heartbeat, default=float("nan")) * 1e3, 2)},
+            "lease_ms": {q: round(_pct(ph.lease, x) * 1e3, 2) for q, x in (("p50", 0.5), ("p99", 0.99))}
+            | {"max": round(max(ph.lease, default=float("nan")) * 1e3, 2)},
+            "coordinator_cpu_s": round(ph.cpu, 2), "idle_cores": round(ph.idle_cpu_rate, 3),
+            "cpu_s_per_reader_version": round(net / r, 4),
+        }
+    out["errors"] = sum(sum(p["errors"].values()) for p in out["phases"].values()) + sum(fl.setup_errors.values())
+    return out
+
+
+def run_fleet(*, workers: int = 10_000, readers: int = 1024, tensors: int = 50_000, chunks: tuple[int, int] = (256, 1024),
+              history: tuple[int, int] = (10, 1000), history_tensors: int = 16, heartbeat: float = 2.0,
+              link_gbps: float = 25.0, connections: int = 32, idle_seconds: float = 2.0, seed: int = 0,
+              protocol: str = "chunkmap") -> dict:
+    """Fleet mode (see the section's comment): start a coordinator that keeps every
+    version, drive the three phases, stop it; return the figures."""
+    kw = dict(workers=workers, readers=readers, tensors=tensors, chunks=chunks, history=history,
+              history_tensors=history_tensors, heartbeat=heartbeat, link_gbps=link_gbps,
+              connections=connections, idle_seconds=idle_seconds, seed=seed, protocol=protocol)
+    keep = str(max(history) + 16)
+    with tempfile.TemporaryDirectory(prefix="th-fleet-") as tmp:
+        coord = CoordinatorProc(Path(tmp) / "state", worker_ttl=max(10.0, 5 * heartbeat),
+                                extra=("--keep-versions", keep))
+        try:
+            out = _run_loop(_drive_fleet(coord.url, coord.proc.pid, **kw))
+            out["coordinator_alive"] = coord.alive
+        finally:
+            coord.stop()
+    out["keep_versions"] = int(keep)
+    return out
+
+
+def _mark(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def report_fleet(out: dict) -> str:
+    ph = out["phases"]
+    b, c, h = ph["base"], ph["chunks"], ph["history"]
+    cols = [f"base C={b['chunks']} H={b['history']}", f"C={c['chunks']}", f"H={h['history']}"]
+    lines = [
+        f"fleet ({out['protocol']} protocol): {out['workers']} workers heart-beating every {out['heartbeat_interval']} s, {out['readers']} pipelined "
+        f"readers per version, {out['tensors']} tensors, link {out['link_gbps']} GB/s per reader, "
+        f"--keep-versions {out['keep_versions']} (older versions' manifests: {out['history_tensors']} tensors)",
+        f"{'figure':<34} {cols[0]:>18} {cols[1]:>12} {'x base':>7} {cols[2]:>12} {'x base':>7}  target",
+    ]
+
+    def row(label: str, get, target: str = "", fmt: str = "{:.2f}") -> None:
+        vb, vc, vh = get(b), get(c), get(h)
+
+        def ratio(x: float) -> str:
+            return f"{x / vb:.2f}" if vb else "-"
+
+        lines.append(f"{label:<34} {fmt.format(vb):>18} {fmt.format(vc):>12} {ratio(vc):>7} "
+                     f"{fmt.format(vh):>12} {ratio(vh):>7}  {target}")
+
+    def p99s(key: str) -> str:
+        return " ".join(_mark(p[key]["p99"] < TARGET_P99_MS) for p in (b, c, h))
+
+    row("heartbeat p50 ms", lambda p: p["heartbeat_ms"]["p50"])
+    row("heartbeat p99 ms", lambda p: p["heartbeat_ms"]["p99"], f"< {TARGET_P99_MS:.0f}: {p99s('heartbeat_ms')}")
+    row("heartbeat max ms", lambda p: p["heartbeat_ms"]["max"])
+    row("lease p50 ms", lambda p: p["lease_ms"]["p50"])
+    row("lease p99 ms", lambda p: p["lease_ms"]["p99"], f"< {TARGET_P99_MS:.0f}: {p99s('lease_ms')}")
+    row("lease max ms", lambda p: p["lease_ms"]["max"])
+    calls_ok = " ".join(_mark(p["calls_per_reader"] <= TARGET_CALLS) for p in (b, c, h))
+    row("HTTP calls per reader-version", lambda p: p["calls_per_reader"], f"<= {TARGET_CALLS:.0f}: {calls_ok}")
+    for route in sorted(set(b["calls"]) | set(c["calls"]) | set(h["calls"])):
+        row(f"  {route}", lambda p, r=route: p["calls_per_reader_by_route"].get(r, 0.0))
+    growth = [c["cpu_s_per_reader_version"] / b["cpu_s_per_reader_version"] if b["cpu_s_per_reader_version"] else float("inf"),
+              h["cpu_s_per_reader_version"] / b["cpu_s_per_reader_version"] if b["cpu_s_per_reader_version"] else float("inf")]
+    row("coordinator CPU-s per reader-ver.", lambda p: p["cpu_s_per_reader_version"],
+        f"no growth (x <= {TARGET_GROWTH}): chunks {_mark(growth[0] <= TARGET_GROWTH)}, "
+        f"history {_mark(growth[1] <= TARGET_GROWTH)}", fmt="{:.4f}")
+    row("manifest MB (JSON)", lambda p: p["manifest_mb"])
+    row("phase seconds", lambda p: p["seconds"])
+    row("fetch seconds p50", lambda p: p["fetch_s"]["p50"])
+    row("readers completed", lambda p: p["completed"], fmt="{:.0f}")
+    errs = {k: v for p in (b, c, h) for k, v in p["errors"].items()}
+    lines.append("CPU per reader-version: the coordinator's CPU-seconds over the phase, less its heart-beat-only "
+                 f"rate just before ({b['idle_cores']}/{c['idle_cores']}/{h['idle_cores']} cores), over readers")
+    lines.append(f"setup {out['setup_seconds']} s; generator lateness p50 {out['generator_late_ms']['p50']} ms, "
+                 f"p99 {out['generator_late_ms']['p99']} ms; errors {out['errors']}"
+                 + (f" {errs} {out['setup_errors']}" if out["errors"] else "")
+                 + f"; workers expired and re-registered {out['expired']}; heartbeats not sent (4,096 unanswered) "
+                 f"{out['heartbeats_skipped']}; coordinator alive: {out['coordinator_alive']}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    a = p.parse_args(argv)
+    return run_main(a)
+
+
+def add_arguments(p: argparse.ArgumentParser, workers_default: int = 10_000) -> None:
+    f = p.add_argument_group("fleet mode: pipelined readers of one version, at two sizes")
+    if not any(o.dest == "workers" for o in p._actions):
+        f.add_argument("--workers", type=int, default=workers_default, help="simulated workers heart-beating")
+        f.add_argument("--heartbeat", type=float, default=2.0, help="seconds between one worker's heartbeats")
+        f.add_argument("--connections", type=int, default=32)
+        f.add_argument("--seed", type=int, default=0)
+        f.add_argument("--json", help="also write the figures here")
+    f.add_argument("--readers", type=int, default=1024, help="simulated pipelined readers per version")
+    f.add_argument("--fleet-tensors", type=int, default=50_000, help="tensors of the measured versions' manifest")
+    f.add_argument("--chunks", type=int, nargs=2, default=[256, 1024], metavar=("BASE", "MORE"),
+                   help="chunks per shard: base and the larger size")
+    f.add_argument("--history", type=int, nargs=2, default=[10, 1000], metavar=("BASE", "MORE"),
+                   help="versions retained when a phase starts: base and the larger size")
+    f.add_argument("--history-tensors", type=int, default=16, help="tensors of the older versions' manifests")
+    f.add_argument("--link-gbps", type=float, default=25.0, help="each reader's simulated link, GB/s")
+    f.add_argument("--protocol", choices=("chunkmap", "reports"), default="chunkmap",
+                   help="chunkmap: the Hub now; reports: the protocol before chunk maps")
+
+
+def run_main(a: argparse.Namespace, workers: Optional[int] = None) -> int:
+    out = run_fleet(workers=a.workers if workers is None else workers, readers=a.readers, tensors=a.fleet_tensors,
+                    chunks=tuple(a.chunks), history=tuple(a.history), history_tensors=a.history_tensors,
+                    heartbeat=a.heartbeat, link_gbps=a.link_gbps, connections=max(a.connections, 32), seed=a.seed,
+                    protocol=a.protocol)
+    print(report_fleet(out))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(out, indent=2))
+    return 0 if out["errors"] == 0 and out["coordinator_alive"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
