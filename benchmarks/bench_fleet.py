@@ -59,7 +59,7 @@ FIRST_REFRESH = 0.1
 # whether the coordinator's work grows with either.
 
 #: ``_fetch.DEPTH``, ``PipelinedReader.refresh_interval`` (idle; twice that when busy),
-#: ``PipelinedSources.report_interval``, ``claim_patience``, ``TENSORHUB_PROGRESS_INTERVAL``.
+#: the chunk-report interval before chunk maps, ``claim_patience``, ``TENSORHUB_PROGRESS_INTERVAL``.
 DEPTH, REFRESH, REPORT, CLAIM_PATIENCE, PROGRESS = 2, 0.05, 0.05, 0.5, 1.0
 #: Targets of issue 13 ("Figures").
 TARGET_P99_MS, TARGET_CALLS, TARGET_GROWTH = 50.0, 6.0, 1.25

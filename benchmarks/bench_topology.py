@@ -89,6 +89,10 @@ def worker(argv: list[str]) -> int:  # pragma: no cover - runs in a child proces
                 say(ok=True)
             elif op == "latest":
                 say(ok=hub.latest("policy"))
+            elif op == "requests":  # the coordinator's request counts by route (/metrics)
+                import httpx
+
+                say(ok=_requests(httpx.get(a.url.split(",")[0] + "/metrics", timeout=10).text))
             elif op == "exit":
                 hub.close()
                 say(ok=True)
@@ -96,6 +100,26 @@ def worker(argv: list[str]) -> int:  # pragma: no cover - runs in a child proces
         except Exception as e:  # noqa: BLE001 - reported to the driver
             say(error=f"{type(e).__name__}: {e}")
     return 0
+
+
+def _requests(text: str) -> dict:
+    """``tensorhub_requests_total{route="..."}`` of a ``/metrics`` page: route -> count."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("tensorhub_requests_total{"):
+            route = line.split('route="', 1)[1].split('"', 1)[0]
+            out[route] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _reader_calls(before: dict, after: dict, n: int) -> float:
+    """The coordinator's requests per reader in a round, heartbeats aside (they come every
+    second whatever happens; fetch reports ride on them) and the driver's own scrape."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    pub = d.get("POST /v1/models/{model}/versions", 0)  # the publisher's allocation ...
+    keep = {k: v for k, v in d.items() if "heartbeat" not in k and "/metrics" not in k}
+    # ... and its replica registration (one): both the publisher's, not the readers'
+    return (sum(keep.values()) - pub - 1) / max(1, n)
 
 
 def _weights(torch: Any, mib: int, seed: int) -> dict:
@@ -138,18 +162,21 @@ class Proc:
 
 def _round(pub: Proc, readers: list[Proc], mib: int, seed: int, tensorhub_mode: bool) -> dict:
     """Publish a fresh version, let every reader fetch it at once, time it."""
+    before = pub.call(op="requests")
     v = pub.call(op="publish", mib=mib, seed=seed)
     t0 = time.time()
     for r in readers:
         r.send(op="fetch", version=v, pipelined=tensorhub_mode, serve=tensorhub_mode, mib=mib, seed=seed)
     res = {r.name: r.recv() for r in readers}
     t_all = max(x["end"] for x in res.values()) - t0
+    calls = _reader_calls(before, pub.call(op="requests"), len(readers))
     bad = [k for k, x in res.items() if not x["bytes_ok"]]
     assert not bad, f"readers {bad} got wrong bytes"
     for r in readers:
         r.call(op="unpublish", versions=[v])
     pub.call(op="unpublish", versions=[v - 1]) if v > 1 else None
     return {"version": v, "seconds": t_all, "per_reader": {k: x["end"] - t0 for k, x in res.items()},
+            "calls_per_reader": calls,
             "from_publisher": sum(x["sources"].get(pub.name, 0) for x in res.values()) / (mib * MiB)}
 
 
@@ -170,11 +197,12 @@ def fanout(args: argparse.Namespace, out: Path) -> dict:
                 seed += 1
                 r = _round(pub, readers[:n], args.mib, seed, flag)
                 row[mode] = r["seconds"]
+                row[f"{mode}_calls_per_reader"] = r["calls_per_reader"]
                 row[f"{mode}_from_publisher_x"] = r["from_publisher"]
                 row[f"{mode}_per_reader_s"] = r["per_reader"]
             rows.append(row)
-            print(f"  N={n}: tensorhub {row['tensorhub']:.2f}s  single-source {row['single-source']:.2f}s",
-                  flush=True)
+            print(f"  N={n}: tensorhub {row['tensorhub']:.2f}s ({row['tensorhub_calls_per_reader']:.1f} "
+                  f"coordinator calls per reader)  single-source {row['single-source']:.2f}s", flush=True)
         for p in [pub, *readers]:
             p.call(op="exit")
     base = rows[0]["tensorhub"]
@@ -182,11 +210,14 @@ def fanout(args: argparse.Namespace, out: Path) -> dict:
         row["tensorhub_vs_own_n1"] = row["tensorhub"] / base
         row["speedup_vs_single"] = row["single-source"] / row["tensorhub"]
     print(f"\nfan-out: {args.mib} MiB version, {args.host_rate} host links, 1 publisher")
-    print(f"{'N':>3} {'tensorhub s':>12} {'single s':>10} {'TH/TH(N=1)':>11} {'speedup':>8} {'pub bytes (x)':>14}")
+    print(f"{'N':>3} {'tensorhub s':>12} {'single s':>10} {'TH/TH(N=1)':>11} {'speedup':>8} {'pub bytes (x)':>14} "
+          f"{'calls/reader':>13}")
     for row in rows:
         print(f"{row['readers']:>3} {row['tensorhub']:>12.2f} {row['single-source']:>10.2f} "
               f"{row['tensorhub_vs_own_n1']:>11.2f} {row['speedup_vs_single']:>8.2f} "
-              f"{row['tensorhub_from_publisher_x']:>14.2f}")
+              f"{row['tensorhub_from_publisher_x']:>14.2f} {row['tensorhub_calls_per_reader']:>13.1f}")
+    print("calls/reader: the coordinator's requests during a TensorHub round (tensorhub_requests_total), "
+          "less heartbeats and the publisher's two, over the readers")
     last = rows[-1]
     print(f"targets at N={last['readers']}: within 2x of N=1 -> {last['tensorhub_vs_own_n1']:.2f}x "
           f"({'met' if last['tensorhub_vs_own_n1'] <= 2 else 'MISSED'}); >= 3.5x faster than single-source -> "

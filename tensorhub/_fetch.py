@@ -10,10 +10,12 @@ one loop:
 * :class:`PlainSources`: each lease names complete replicas; a failed source gets a new
   lease; chunks sized to stripe over every source (or the checksum grid).
 * :class:`PipelinedSources` (default): leases may name partial replicas (readers still
-  receiving) with the chunks they hold; the same lease is refreshed to learn newer chunk
-  sets; with ``serve=True`` the destination is a partial replica from the start, its
-  completed chunks reported (only under trusted leases) so others read them from here;
-  a failed fetch withdraws that partial replica, or quarantines its memory.
+  receiving); which chunks they hold is read from their chunk maps (``_chunkmap``), the
+  lease refreshed at most once to learn newer partial replicas; with ``serve=True`` the
+  destination is a partial replica from the start (registered with the first lease), its
+  completed chunks marked ready in its own map (only under trusted leases) so others read
+  them from here, and the release and complete registration are one call; a failed fetch
+  retires the map and withdraws that partial replica, or quarantines its memory.
 
 It works on small objects the Hub composes -- the :class:`~tensorhub._session.Session`
 (API, identity, transport, lease ttl) and the :class:`~tensorhub._holdings.Holdings` --
@@ -232,26 +234,25 @@ class PipelinedSources(PlainSources):
 
     label = "pipelined"
 
-    def __init__(self, fetch: "Fetch", report_interval: float = 0.05) -> None:
+    def __init__(self, fetch: "Fetch") -> None:
         super().__init__(fetch)
         self.cur: Optional[str] = None
         self.no_source = ""
         self.partial_id: Optional[str] = None
         self.last: list[PSource] = []
-        self.report_interval = report_interval
+        #: Chunks marked ready in our chunk map (read under trusted leases: kept on a lapse).
         self.reported: set[int] = set()
-        self.sent = 0
-        self.said_coming: frozenset = frozenset()
-        self.last_report = 0.0
+        self.sent = 0  # completed chunks looked at so far
         self.seed = False
         #: Our partial replica's chunk map (``_chunkmap``; None: not serving while receiving).
         self.map: Optional[ChunkMap] = None
         #: The partial replica was offered with the first lease (``first_grant_serving``).
         self.offered = False
+        self.offer: Optional[dict] = None
         self.grid = 0
 
-    def _acquire(self, excluded: set[str], wait: bool, offer: Optional[dict] = None) -> Optional[LeaseGrant]:
-        f = self.f
+    def _acquire(self, excluded: set[str], wait: bool) -> Optional[LeaseGrant]:
+        f, offer = self.f, self.offer
         delay = 0.05
         while True:
             body: dict[str, Any] = {"worker_id": f.session.worker_id, "model": f.model, "version": f.version,
@@ -304,7 +305,11 @@ class PipelinedSources(PlainSources):
         f.held.extra.append(m)
         offer = {"manifest_digest": f.session.digest(f.manifest), "addresses": f.held.addresses,
                  "chunk_bytes": self.grid, "num_chunks": len(r.chunks), "status_addr": m.addr, "status_tag": m.tag}
-        g = self._acquire(set(), True, offer)
+        self.offer = offer  # asked with the new lease (not with refreshes)
+        try:
+            g = self._acquire(set(), True)
+        finally:
+            self.offer = None
         assert g is not None
         self.seed = g.seed
         r.order = chunk_order(len(r.chunks), g.start, g.reverse)

@@ -38,7 +38,9 @@ def wrap(inner: Transport, session: Any) -> Transport:
         except TensorHubError as e:
             logger.info("same-host request for replica %s: lease %s not confirmed: %s", replica_id, lease_id, e)
             return None
-        return list(held.regions)
+        # The data's regions (a chunk map, ``_chunkmap``, is read over the wrapped transport).
+        skip = held.chunkmap.region if held.chunkmap is not None else None
+        return [r for r in held.regions if r != skip]
 
     return SameHostTransport(inner, token=session.config.token, host_label=session.locality.host,
                              authorize=authorize, worker_id=session.worker_id)

@@ -8,7 +8,7 @@ lock.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from ._planner import locality_cost
 
@@ -85,6 +85,21 @@ def _layouts(vi: Any) -> dict:
             for lname, li in vi.layouts.items()}
 
 
+def _partial(st: Any, r: Any) -> Optional[str]:
+    """"k/n" chunks a partial replica holds (None: complete). A replica with a chunk map
+    (``_chunkmap``) reports no chunks: k is then estimated from its holder's last progress
+    report (bytes read of the shard; 0 before the first)."""
+    if r.chunks is None:
+        return None
+    if r.status_addr is None:
+        return f"{len(r.chunks)}/{r.num_chunks}"
+    hit = st.fetching.get((r.worker_id, r.model, r.version, r.layout, r.shard))
+    k = 0
+    if hit is not None and hit[0].total:
+        k = min(r.num_chunks, hit[0].nbytes * r.num_chunks // hit[0].total)
+    return f"{k}/{r.num_chunks}"
+
+
 def version_view(st: Any, now: float, model: str, version: int) -> dict:
     """One version: complete or not, its layouts, its replicas now (by the registry's
     version index: no scan of the rest)."""
@@ -95,7 +110,7 @@ def version_view(st: Any, now: float, model: str, version: int) -> dict:
         "layouts": _layouts(vi),
         "replicas": [{"replica_id": r.replica_id, "worker_id": r.worker_id, "layout": r.layout, "shard": r.shard,
                       "draining": r.draining, "suspect": r.suspect_until > now,
-                      "partial": None if r.chunks is None else f"{len(r.chunks)}/{r.num_chunks}"}
+                      "partial": _partial(st, r)}
                      for r in reps],
     }
 
@@ -121,7 +136,7 @@ def status_view(st: Any, now: float) -> dict:
                         "locality": st.workers[r.worker_id].locality.model_dump(),
                         "open_leases": reg.open_leases(now, (r.replica_id,)),
                         "served": r.served,
-                        "partial": None if r.chunks is None else f"{len(r.chunks)}/{r.num_chunks}",
+                        "partial": _partial(st, r),
                     }
                     for r in sorted(reps, key=lambda r: r.registered_at)
                 ],

@@ -295,7 +295,7 @@ def test_failed_fetch_into_caller_memory_that_cannot_drain_is_quarantined(bed):
 
     def r1_has_chunks() -> bool:
         part = [r["partial"] for r in replicas(bed.status(), v, "r1") if r["partial"]]
-        return bool(part) and int(part[0].split("/")[0]) >= 2
+        return bool(part) and int(part[0].split("/")[0]) >= 2  # (estimated from its progress reports)
 
     wait_for(r1_has_chunks, 30, "r1 never served chunks while receiving")
     r2.send("fetch", version=v, serve=False, fetch_timeout=90)
