@@ -171,7 +171,8 @@ class PipelinedReader(ShardReader):
         if sources and (self.refreshes >= self.max_refreshes or now - self._t0 < self.first_refresh):
             return
         self._last_refresh = now
-        self.refreshes += 1
+        if sources:  # (with none: the first grant, or every source failed -- not counted)
+            self.refreshes += 1
         fresh = get_sources(set(failed))
         sources[:] = [s for s in fresh if s.replica_id not in failed]
 
