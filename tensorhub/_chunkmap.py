@@ -12,12 +12,16 @@ Layout of the map (little-endian), ``HEADER`` + ``num_chunks`` bytes::
 
     [0, 8)    tag: a random non-zero 64-bit number chosen by the holder for this replica
     [8, 16)   num_chunks
-    [16, ..)  one byte per chunk: READY (1) once the chunk is complete, else 0
+    [16, ..)  one byte per chunk: READY (1) once the chunk is complete, COMING (2) while
+              the holder is receiving it (a hint, never a source), else 0
 
 Rules (who does what, and why a reader never reads a chunk that is not complete there):
 
+* Only READY means readable. COMING tells other readers to leave that chunk to this
+  holder rather than pull it from a complete replica too (the publisher's uplink is the
+  scarce link); it may go back to 0 (the read failed).
 * The holder (reader process of the fetch that receives the shard) sets a chunk's byte
-  only after the transport said the chunk's read is DONE, its checksum matched (when the
+  to READY only after the transport said the chunk's read is DONE, its checksum matched (when the
   manifest has checksums: ``_checksum``) and the lease it was read under is still trusted
   on the holder's own clock (``_fencing.LeaseClock``). A byte never goes back to 0 while the
   tag stands, so a reader's stale view is never wrong, only late.
@@ -40,12 +44,14 @@ import secrets
 import struct
 from typing import Any, Optional
 
-__all__ = ["ChunkMap", "HEADER", "READY", "parse", "map_bytes"]
+__all__ = ["ChunkMap", "HEADER", "READY", "COMING", "parse", "parse_all", "map_bytes"]
 
 #: Bytes before the per-chunk status bytes: tag (u64) and chunk count (u64).
 HEADER = 16
 #: The status byte of a chunk that is complete (and verified) in the holder's memory.
 READY = 1
+#: ... of a chunk the holder is receiving now (a hint for other readers; not readable).
+COMING = 2
 
 
 def map_bytes(num_chunks: int) -> int:
@@ -69,6 +75,7 @@ class ChunkMap:
         self._view = memoryview(self.buf.numpy())
         self._view[:HEADER] = struct.pack("<QQ", self.tag, num_chunks)
         self.ready: set[int] = set()
+        self.coming: set[int] = set()
 
     @property
     def addr(self) -> int:
@@ -85,6 +92,18 @@ class ChunkMap:
             raise ValueError(f"chunk {chunk} outside [0, {self.num_chunks})")
         self._view[HEADER + chunk] = READY
         self.ready.add(chunk)
+        self.coming.discard(chunk)
+
+    def receiving(self, now: "set[int]") -> None:
+        """The chunks being received now (a hint for others): marked COMING; those no
+        longer in flight and not ready go back to 0."""
+        for c in self.coming - now:
+            if c not in self.ready:
+                self._view[HEADER + c] = 0
+        for c in now - self.coming - self.ready:
+            if 0 <= c < self.num_chunks:
+                self._view[HEADER + c] = COMING
+        self.coming = {c for c in now if c not in self.ready and 0 <= c < self.num_chunks}
 
     def retire(self) -> None:
         """Before the memory may be reused: no reader will take this map as valid again."""
@@ -94,10 +113,18 @@ class ChunkMap:
 def parse(raw: Any, tag: int, num_chunks: int) -> Optional[frozenset]:
     """The chunks a map read from a source says are ready; None if the map is stale (its
     tag or chunk count is not the advertised one: the memory is not that replica's map)."""
+    got = parse_all(raw, tag, num_chunks)
+    return None if got is None else got[0]
+
+
+def parse_all(raw: Any, tag: int, num_chunks: int) -> Optional[tuple[frozenset, frozenset]]:
+    """(ready, coming) chunks of a map read from a source; None if it is stale."""
     b = bytes(raw[:map_bytes(num_chunks)])
     if len(b) < map_bytes(num_chunks):
         return None
     got_tag, got_n = struct.unpack_from("<QQ", b)
     if got_tag != tag or got_n != num_chunks or tag == 0:
         return None
-    return frozenset(i for i, s in enumerate(b[HEADER:]) if s == READY)
+    body = b[HEADER:]
+    return (frozenset(i for i, s in enumerate(body) if s == READY),
+            frozenset(i for i, s in enumerate(body) if s == COMING))

@@ -375,6 +375,8 @@ class PipelinedSources(PlainSources):
         lease still trusted on this reader's clock (the others are re-read at release).
         Nothing goes to the coordinator: other readers read the map from our memory."""
         f, r = self.f, self.r
+        if self.map is not None and r.receiving != self.map.coming:
+            self.map.receiving(set(r.receiving))  # a hint for others: leave these to us
         if self.map is None or len(r.completed) == self.sent:
             return
         new = r.completed[self.sent:]

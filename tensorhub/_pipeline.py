@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ._chunkmap import map_bytes, parse
+from ._chunkmap import map_bytes, parse_all
 from ._exceptions import TransferError
 from ._planner import chunk_order, pick_chunk
 from ._reader import ShardReader, Source
@@ -102,11 +102,13 @@ class PipelinedReader(ShardReader):
         self.first_refresh = first_refresh
         #: Coordinator refreshes asked in this reader's runs (chunk maps replace the rest).
         self.refreshes = 0
+        self._failed_seen = 0
         #: Chunk-map reads submitted, and chunk maps that read as stale (tag mismatch).
         self.status_reads = 0
         self.stale_maps = 0
-        #: replica id -> chunks its map said were ready (last read).
+        #: replica id -> chunks its map said were ready (last read), and were coming (a hint).
         self.avail: dict[str, frozenset] = {}
+        self.map_coming: dict[str, frozenset] = {}
         self._map_pending: dict[str, int] = {}  # replica id -> handle of its map read in flight
         self._map_src: dict[str, PSource] = {}
         self._map_last: dict[str, float] = {}
@@ -150,7 +152,8 @@ class PipelinedReader(ShardReader):
     def _pick(self, src: Source, need, sources, inflight, now: float) -> Optional[int]:
         """A chunk ``src`` holds, rarest first (``_planner.pick_chunk``)."""
         others = [self.held(o) for o in sources if o is not src]
-        coming = self.claimed.union(*(getattr(o, "coming", frozenset()) for o in sources))
+        coming = self.claimed.union(*(getattr(o, "coming", frozenset()) for o in sources),
+                                    *(self.map_coming.get(o.replica_id, frozenset()) for o in sources))
         order = need
         have = self.held(src)
         if not inflight and now - self._last_progress > self.claim_patience:
@@ -168,10 +171,15 @@ class PipelinedReader(ShardReader):
         idle = not sources or any(busy.get(s.replica_id, 0) < self.depth for s in sources)
         if not need or now - self._last_refresh < self.refresh_interval * (1 if idle else 2):
             return
-        if sources and (self.refreshes >= self.max_refreshes or now - self._t0 < self.first_refresh):
+        # Beyond the budget only when something went wrong: a source failed since the last
+        # refresh, or nothing is in flight and nothing landed for ``claim_patience``.
+        trouble = len(failed) > self._failed_seen or (
+            not any(busy.values()) and now - self._last_progress > self.claim_patience)
+        if sources and not trouble and (self.refreshes >= self.max_refreshes or now - self._t0 < self.first_refresh):
             return
         self._last_refresh = now
-        if sources:  # (with none: the first grant, or every source failed -- not counted)
+        self._failed_seen = len(failed)
+        if sources and not trouble:  # (the first grant, or trouble: not counted)
             self.refreshes += 1
         fresh = get_sources(set(failed))
         sources[:] = [s for s in fresh if s.replica_id not in failed]
@@ -188,7 +196,9 @@ class PipelinedReader(ShardReader):
             del self._map_pending[rid]
             src = self._map_src[rid]
             if st == DONE:
-                got = parse(self._map_buf[rid][0].numpy(), src.status_tag, src.num_chunks)
+                both = parse_all(self._map_buf[rid][0].numpy(), src.status_tag, src.num_chunks)
+                got = None if both is None else both[0]
+                self.map_coming[rid] = frozenset() if both is None else both[1] - self.avail.get(rid, frozenset())
                 if got is None or rid in self._stale:  # not (any more) that replica's map: nothing
                     self.stale_maps += got is None  # is read from it again
                     self._stale.add(rid)

@@ -180,3 +180,54 @@ def test_real_mooncake_readers_read_only_chunks_complete_on_their_source(coordin
     assert data_reads and map_reads, (data_reads, map_reads)
     assert from_peers, "no reader read from another reader: the pipelined path was not exercised"
     assert sum(bool(m) for m in maps.values()) == 4  # every reader served while receiving
+
+
+# ---------------------------------------------------------------- the Hub's calls, counted by the coordinator
+def _requests(url: str) -> dict:
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("tensorhub_requests_total{"):
+            out[line.split('route="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_pipelined_readers_make_a_fixed_number_of_coordinator_calls(embedded):
+    """Four pipelined readers of one version (in-memory transport, throttled so reads
+    overlap): each makes the manifest GET, one lease (which registers its partial replica),
+    at most one refresh and one release-and-register call -- no chunk reports, no progress
+    posts -- and still reads from the others (their chunk maps)."""
+    import threading
+
+    import tensorhub
+    from tensorhub.testing import InMemoryTransport
+
+    hubs = [tensorhub.connect(embedded.url, worker_id=n, locality=f"dc=a,zone=z,host={n}", heartbeat_interval=5.0,
+                              transport=InMemoryTransport(bandwidth=24 * MiB)) for n in ("pub", "r0", "r1", "r2", "r3")]
+    try:
+        g = torch.Generator().manual_seed(5)
+        w = {f"w{i}": torch.randn(MiB, generator=g) for i in range(4)}  # 16 MiB, 16 chunks
+        v = hubs[0].publish("m", w)
+        for h in hubs[1:]:
+            h.endpoint  # the data plane started (its one registration) before counting
+        before = _requests(embedded.url)
+        got: dict = {}
+        ts = [threading.Thread(target=lambda h=h: got.setdefault(h.worker_id, h.fetch("m", v))) for h in hubs[1:]]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        after = _requests(embedded.url)
+    finally:
+        for h in hubs:
+            h.close()
+    calls = {k: after[k] - before.get(k, 0) for k in after  # heartbeats aside: they come on a timer
+             if after[k] - before.get(k, 0) and "metrics" not in k and "heartbeat" not in k}
+    assert len(got) == 4 and all(torch.equal(f[k], w[k]) for f in got.values() for k in w)
+    assert calls.get("GET /v1/models/{model}/versions/{version}/manifest") == 4, calls
+    assert calls.get("POST /v1/replicas") == 4, calls  # release + complete registration, one each
+    assert 4 <= calls.get("POST /v1/leases", 0) <= 8, calls  # the lease, at most one refresh each
+    assert not any("/chunks" in k or "/fetches" in k or "/release" in k for k in calls), calls
+    assert sum(calls.values()) <= 4 * 4, calls
+    assert any(src != "pub" for f in got.values() for src in f.sources), "no reader read from another"
