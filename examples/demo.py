@@ -224,12 +224,13 @@ class Engine:
             time.sleep(0.5)
 
     def weight_version(self) -> Optional[int]:
-        from integrations.vllm.follow import engine_version
+        from integrations.vllm.follow import engine_version, engine_workers
 
         v = engine_version(self.http)
-        if v is None:  # an engine loaded by the tensorhub loader names no weight_version yet: its log does
-            found = _FETCHED.findall(self.log())
-            v = int(found[-1][1]) if found else None
+        if v is None:  # before its first swap vLLM names no weight_version: its TensorHub workers do
+            # (not the last fetch in its log: with prefetch that can be a newer version it does not run yet)
+            runs = [w.get("version") for w in engine_workers(self.http)]
+            v = min(runs) if runs and all(isinstance(x, int) for x in runs) else None
         return v
 
     def fetched(self, version: int) -> tuple[float, dict]:

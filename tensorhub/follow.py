@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence, TextIO
 
 from .config import HubConfig
 
-__all__ = ["Driver", "ProgressLine", "drivers", "engine_holds", "follow", "main", "parser", "pick", "progress_text",
+__all__ = ["Driver", "EngineWorker", "ProgressLine", "drivers", "engine_holds", "follow", "main", "parser", "pick", "progress_text",
            "prefetching_workers", "wait_prefetched"]
 
 #: Entry-point group of engine drivers (each a :class:`Driver`).
@@ -66,9 +66,8 @@ class Driver:
     ``banner(client, args)`` -> (the engine's current version or None, the first line to
     print); ``swap(client, version, args, show)`` -> the stall in seconds (``show(stall)``
     draws the progress line; raise ``RuntimeError`` for a failed swap the engine survived).
-    ``workers(client)`` (optional) -> what the engine says of its TensorHub workers, one dict
-    per worker: ``worker_id``, ``model``, ``serving``, ``prefetch`` (see
-    :func:`prefetching_workers`). ``client`` is an ``httpx.Client`` on the engine's base URL."""
+    ``workers(client)`` (optional) -> what the engine says of its TensorHub workers, one
+    :class:`EngineWorker` (or its JSON object) per worker. ``client`` is an ``httpx.Client`` on the engine's base URL."""
 
     name: str
     prefix: str  # of the --engine URL that selects it ("" for the default)
@@ -81,6 +80,30 @@ class Driver:
 
     def base_url(self, engine: str) -> str:
         return engine.removeprefix(self.prefix).rstrip("/")
+
+
+@dataclass(frozen=True)
+class EngineWorker:
+    """One engine worker's TensorHub identity, as the engine answers the driver's ``workers``
+    query (vLLM: ``/collective_rpc`` ``weight_transfer_engine``, one JSON object per worker)."""
+
+    worker_id: Optional[str]
+    model: Optional[str] = None
+    version: Optional[int] = None  # the version its parameters hold
+    serving: bool = False  # it serves its hf copy (so the coordinator lists what it holds)
+    prefetch: bool = False  # it fetches each new version before the swap
+
+    @classmethod
+    def parse(cls, answer: Any) -> "EngineWorker":
+        """From one worker's JSON answer; anything else is a ``ValueError`` naming it."""
+        if isinstance(answer, EngineWorker):
+            return answer
+        if not isinstance(answer, dict):
+            raise ValueError(f"not an engine worker's identity: {answer!r:.200}")
+        v = answer.get("version")
+        return cls(answer.get("worker_id") or None, answer.get("model"),
+                   v if isinstance(v, int) and not isinstance(v, bool) else None,
+                   answer.get("serving") is True, answer.get("prefetch") is True)
 
 
 def drivers() -> dict[str, Any]:
@@ -191,17 +214,16 @@ def wait_prefetched(hub: Any, model: str, version: int, worker: "str | Sequence[
         time.sleep(interval)
 
 
-def prefetching_workers(model: str, infos: Sequence[dict]) -> tuple[list[str], str]:
-    """From what the engine says of its workers (one dict per worker: ``worker_id``,
-    ``model``, ``serving``, ``prefetch``), the ones whose prefetch a swap to ``model`` waits
-    for (those that prefetch it and serve their copy, so the coordinator sees them hold
-    it), and a line saying so."""
-    on = sorted({i["worker_id"] for i in infos if isinstance(i, dict) and i.get("worker_id")
-                 and i.get("prefetch") and i.get("serving") and i.get("model") == model})
+def prefetching_workers(model: str, infos: Sequence[Any]) -> tuple[list[str], str]:
+    """From what the engine says of its workers (:class:`EngineWorker` or its JSON), the ones
+    whose prefetch a swap to ``model`` waits for (those that prefetch it and serve their
+    copy, so the coordinator sees them hold it), and a line saying so."""
+    ws = [EngineWorker.parse(i) for i in infos]
+    on = sorted({w.worker_id for w in ws if w.worker_id and w.prefetch and w.serving and w.model == model})
     if on:
         return on, f"engine worker(s) {', '.join(on)} prefetch {model}: each swap waits until they hold it"
-    known = sorted({f"{i['worker_id']} ({i.get('model')}, prefetch {'on' if i.get('prefetch') else 'off'})"
-                    for i in infos if isinstance(i, dict) and i.get("worker_id")})
+    known = sorted({f"{w.worker_id} ({w.model}, prefetch {'on' if w.prefetch else 'off'})"
+                    for w in ws if w.worker_id})
     return [], (f"the engine does not prefetch {model} ({', '.join(known) or 'no TensorHub worker yet'}): "
                 "each swap fetches while the engine is paused")
 
@@ -216,15 +238,15 @@ def _engine_workers(args: argparse.Namespace, client: Any,
     if workers is None:
         return [], None
     try:
-        infos = workers(client)
+        infos = [EngineWorker.parse(i) for i in workers(client)]
     except Exception as e:  # an older engine, dev mode off: follow still works, the pause covers the fetch
         print(f"tensorhub follow: could not ask the engine for its TensorHub workers ({e}); swaps do not "
               f"wait for a prefetch (--engine-worker ID names the engine's worker)", file=sys.stderr, flush=True)
         return [], None
     ids, line = prefetching_workers(args.model, infos)
     print(line, file=sys.stderr, flush=True)
-    runs = [i.get("version") for i in infos if isinstance(i, dict) and i.get("model") == args.model]
-    return ids, (min(runs) if runs and all(isinstance(v, int) for v in runs) else None)
+    runs = [w.version for w in infos if w.model == args.model]
+    return ids, (min(runs) if runs and all(v is not None for v in runs) else None)
 
 
 def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tuple[Optional[int], str]],

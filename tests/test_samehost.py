@@ -277,6 +277,9 @@ def test_follow_learns_the_engines_prefetching_workers_from_the_engine(embedded,
     assert ids == [] and "does not prefetch policy" in line and "eng (policy, prefetch off)" in line
     assert prefetching_workers("other", [me])[0] == []
     assert prefetching_workers("policy", [{"worker_id": None, "prefetch": False}])[0] == []
+    assert prefetching_workers("policy", [{**me, "prefetch": "yes"}])[0] == []  # typed: true or nothing
+    with pytest.raises(ValueError, match="not an engine worker's identity"):
+        prefetching_workers("policy", ["engine-b"])
 
     url = embedded.url
     pub = tensorhub.connect(url, worker_id="trainer", transport=InMemoryTransport())

@@ -207,11 +207,15 @@ class _Mixin:
         are the engine's: vLLM's dev route ``POST /collective_rpc {"method":
         "weight_transfer_engine"}`` looks the name up on every worker and calls what it finds
         (this engine), answering one of these per worker. Read-only: it never connects."""
+        from dataclasses import asdict
+
+        from tensorhub.follow import EngineWorker
+
         st = getattr(self, "_state", None) or worker.get_state()
         if st is None:  # not connected yet (no --load-format tensorhub, no update so far)
-            return {"worker_id": None, "model": None, "version": None, "serving": False, "prefetch": False}
-        return {"worker_id": st.hub.worker_id, "model": st.settings.model, "version": st.version,
-                "serving": st.serving, "prefetch": st.prefetcher is not None}
+            return asdict(EngineWorker(None))
+        return asdict(EngineWorker(st.hub.worker_id, st.settings.model, st.version, st.serving,
+                                   st.prefetcher is not None))
 
     def shutdown(self) -> None:
         """Keep the Hub: the engine's replicas stay registered while it runs."""
