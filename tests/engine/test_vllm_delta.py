@@ -68,8 +68,13 @@ def test_vllm_swaps_through_a_delta_and_falls_back_on_a_bad_one(tmp_path, monkey
         w1 = make_weights(0)
         a = OfflineEngine(tmp_path / "a.log", model=str(make_model_dir(tmp_path / "v1", seed=0)),
                           load_format="tensorhub",
+                          # prefetch off: this tests the swap's own fetch through a delta. A
+                          # prefetch starts the moment the full version is complete, before
+                          # publish(base=...) has encoded and registered its delta, and reads it
+                          # in full (right bytes, more of them).
                           model_loader_extra_config={"coordinator": coord.url, "model": MODEL,
-                                                     "on_missing": "disk", "worker_id": "engine-a"},
+                                                     "on_missing": "disk", "worker_id": "engine-a",
+                                                     "prefetch": False},
                           weight_transfer_config={"backend": "tensorhub"})
         out1 = a.call("generate", prompts=PROMPTS)
         a.call("init_weight_transfer_engine", init_info={})
