@@ -153,9 +153,9 @@ class Hub:
 
     # ------------------------------------------------------------------ holder
     def empty_like(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
-        """New CPU tensors shaped like ``tensors`` (names, dtypes, shapes) in memory the Hub
-        allocates: copy a snapshot into them and ``publish`` them, and readers on this host
-        copy from them at memory speed (``transport/_shm``); other readers are unaffected."""
+        """New CPU tensors shaped like ``tensors`` (names, dtypes, shapes; ``meta`` tensors
+        will do) in memory the Hub allocates: copy a snapshot into them and ``publish`` them,
+        and readers on this host copy from them at memory speed (``transport/_shm``); other readers are unaffected."""
         return _tensors.empty_like(tensors)
 
     def publish(self, model: str, tensors: Mapping[str, Any], *, version: Optional[int] = None,
