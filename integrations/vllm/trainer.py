@@ -170,29 +170,34 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
                 buf = self._take_buffer(meta)
             except Exception as e:  # keep iterating: the other ranks are in the same collectives
                 err = e
-        filled = 0
+        filled: set = set()
         for names, tensors in self.source.iter_groups():
             if buf is not None and err is None:
                 try:
-                    filled += _copy_group(buf.tensors, meta, names, tensors)
+                    _copy_group(buf.tensors, meta, names, tensors, filled)
                 except Exception as e:
                     err = e
             del names, tensors  # one gathered group alive at a time
         if not self.is_sender:
             return
-        if err is None and filled != len(meta):
-            err = SettingsError(f"tensorhub trainer engine: the source yielded {filled} tensors, its metadata() "
-                                f"declares {len(meta)}")
-        if err is not None:
-            raise err
+        if err is None and len(filled) != len(meta):
+            missing = next(n for n in meta if n not in filled)
+            err = SettingsError(f"tensorhub trainer engine: the source yielded {len(filled)} of the {len(meta)} "
+                                f"tensors its metadata() declares (not {missing!r})")
+        if err is not None or buf is None or self.hub is None:
+            raise err or SettingsError("tensorhub trainer engine: send_weights() after shutdown()")
         t1 = time.monotonic()
-        assert buf is not None and self.hub is not None
         v = self.hub.publish(self.info.model, buf.tensors)
         buf.version = v
         t2 = time.monotonic()
-        self.client.start_weight_update()
-        self.client.update_weights({"version": v})
-        self.client.finish_weight_update(weight_version=str(v))
+        try:
+            self.client.start_weight_update()
+            self.client.update_weights({"version": v})
+            self.client.finish_weight_update(weight_version=str(v))
+        except Exception as e:
+            body = getattr(getattr(e, "response", None), "text", None)  # an HTTP client's error: the engine's words
+            raise RuntimeError(f"tensorhub trainer engine: published {self.info.model!r} v{v}, but the engines did "
+                               f"not swap to it: {e}" + (f": {body}" if body else "")) from e
         self.version = v
         logger.info("tensorhub: published %s v%d (%d tensors, %.1f MB; snapshot %.2fs, publish %.2fs) and the "
                     "engines swapped to it in %.2fs", self.info.model, v, len(meta),
@@ -236,9 +241,9 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         self.source = None
 
 
-def _copy_group(buf: dict, meta: dict, names: list, tensors: list) -> int:
-    """Copy one yielded group into its snapshot slots, refusing what the source's metadata
-    did not declare; returns how many tensors it copied."""
+def _copy_group(buf: dict, meta: dict, names: list, tensors: list, filled: set) -> None:
+    """Copy one yielded group into its snapshot slots (adding the names to ``filled``),
+    refusing what the source's metadata did not declare."""
     if len(names) != len(tensors):
         raise SettingsError(f"tensorhub trainer engine: the source yielded a group of {len(names)} names and "
                             f"{len(tensors)} tensors")
@@ -252,8 +257,10 @@ def _copy_group(buf: dict, meta: dict, names: list, tensors: list) -> int:
         if t.dtype != m.dtype or tuple(t.shape) != tuple(m.shape):
             raise SettingsError(f"tensorhub trainer engine: the source yielded {name!r} as "
                                 f"{t.dtype}{list(t.shape)}, its metadata() declares {m.dtype}{list(m.shape)}")
+        if name in filled:
+            raise SettingsError(f"tensorhub trainer engine: the source yielded {name!r} twice")
         buf[name].copy_(t.detach())
-    return len(names)
+        filled.add(name)
 
 
 def _connect(info: TensorHubTrainerInitInfo) -> Any:

@@ -258,3 +258,91 @@ def test_bad_input_gives_clear_errors_and_the_engine_serves_on(setup):
         http.init_weight_transfer_engine({"model": "other"})
     assert "'model'" in ei.value.response.text and "other" in ei.value.response.text, ei.value.response.text
     assert engine.generate(PROMPTS) == text_before
+
+    # a source that does not fit the engine's model: published, refused by the engine before
+    # anything changed, and the trainer's error carries the engine's words
+    wrong = {k: v for k, v in make_weights(0).items() if k != "lm_head.weight"}
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        TensorHubTrainerInitInfo(model=MODEL, coordinator=url, token=TOKEN, worker_id="trainer-wrong", rank=0),
+        client=HTTPVLLMWeightSyncClient(engine.url), source=_source(wrong))
+    try:
+        with pytest.raises(RuntimeError) as ei:
+            trainer.send_weights()
+        msg = str(ei.value)
+        assert "published 'policy' v6, but the engines did not swap to it" in msg, msg
+        assert "'lm_head.weight'" in msg and f"keeps serving v{before}" in msg, msg  # the engine's words
+        assert trainer.version is None
+    finally:
+        trainer.shutdown()
+    assert _weight_version(engine) == before
+    assert engine.generate(PROMPTS) == text_before
+
+
+def test_one_buffer_is_reused_once_the_engine_holds_the_version(setup):
+    """buffers=1: the second send overwrites the snapshot of the first, after unpublishing it
+    (the engine, which runs that version, keeps it served); outputs follow each version."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from integrations.vllm.trainer import TensorHubTrainerInitInfo
+
+    engine, url = setup["engine"], setup["url"]
+    weights = {k: v.clone() for k, v in make_weights(1).items()}
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        TensorHubTrainerInitInfo(model=MODEL, coordinator=url, token=TOKEN, worker_id="trainer-1buf", rank=0,
+                                 buffers=1),
+        client=HTTPVLLMWeightSyncClient(engine.url), source=_source(weights))
+    try:
+        trainer.send_weights()
+        first = trainer.version
+        assert set(_replicas(url, first)) == {"trainer-1buf", "engine-a"}
+        assert engine.generate(PROMPTS) == setup["seed1_text"]
+        for k, v in make_weights(0).items():
+            weights[k].copy_(v)
+        trainer.send_weights()
+        assert trainer.version == first + 1 and _weight_version(engine) == str(first + 1)
+        assert engine.generate(PROMPTS) == setup["seed0_text"]
+        assert "trainer-1buf" not in _replicas(url, first)
+        assert len(trainer._buffers) == 1
+    finally:
+        trainer.shutdown()
+
+
+def test_the_backend_is_registered_by_the_plugin_and_by_import():
+    """vLLM's plug-in hook registers the trainer engine lazily (no import of it until used);
+    a trainer process that loads no plug-ins gets it by importing the init info's module."""
+    code = """if True:
+        import sys
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F
+        assert "tensorhub" not in F._registry
+        import integrations.vllm
+        integrations.vllm.register()
+        integrations.vllm.register()  # idempotent
+        assert "integrations.vllm.trainer" not in sys.modules
+        cls = F._registry["tensorhub"]()
+        from integrations.vllm.trainer import TensorHubTrainerInitInfo, TensorHubTrainerWeightTransferEngine
+        assert cls is TensorHubTrainerWeightTransferEngine and TensorHubTrainerInitInfo.backend == "tensorhub"
+    """
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=engine_env())
+    code = """if True:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F
+        from integrations.vllm.trainer import TensorHubTrainerWeightTransferEngine
+        assert F._registry["tensorhub"]() is TensorHubTrainerWeightTransferEngine
+    """
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=engine_env())
+
+
+def test_example_runs_and_rollouts_match_the_trainer(tmp_path):
+    """examples/vllm_trainer_api.py as a user runs it: vLLM's default loader, the trainer
+    API with the tensorhub backend, rollouts checked against the trainer's after each swap."""
+    require_vllm()
+    out = tmp_path / "res.json"
+    r = subprocess.run([sys.executable, str(HERE.parent.parent / "examples" / "vllm_trainer_api.py"),
+                        "--versions", "2", "--steps", "10", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env=engine_env(), cwd=str(tmp_path))
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr[-4000:]}"
+    assert "all rollouts match the trainer's" in r.stdout, r.stdout
+    res = json.loads(out.read_text())
+    assert res["ok"] and [row["version"] for row in res["versions"]] == [1, 2]
+    assert all(row["differ"] == 0 for row in res["versions"])
+    assert res["versions"][-1]["score"] > 0  # the engine runs the trained weights, not the initial ones
