@@ -27,7 +27,7 @@ fetch, with the delta applied and verified; the engine's own load is the same fo
 delta vs full, side by side; every reader checks every byte it got.
 
     python benchmarks/bench_delta.py [--steps 300] [--every 25] [--lr 1e-5] [--master fp32|bf16]
-                                     [--link-mbps 1000] [--testbed] [--json out.json]
+                                     [--link-mbps 1000] [--testbed [--logs DIR]] [--json out.json]
 
 A worker process of ``--testbed`` is this file with ``worker`` as first argument (JSON lines
 on stdin/stdout).
@@ -294,6 +294,7 @@ def main() -> int:
     p.add_argument("--link-mbps", type=float, default=1000.0, help="inter-datacenter link (Mbit/s)")
     p.add_argument("--testbed", action="store_true",
                    help="fetch side on the netns testbed (root): real coordinator, processes, Mooncake, tc link")
+    p.add_argument("--logs", type=Path, help="--testbed: keep the workers' logs in this (existing, empty) folder")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
 
@@ -316,7 +317,7 @@ def main() -> int:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        side = (TestbedSide(Path(os.environ.get("BENCH_DELTA_LOGS", tmp)), a.link_mbps) if a.testbed else MemorySide(Path(tmp), link))
+        side = TestbedSide(a.logs or Path(tmp), a.link_mbps) if a.testbed else MemorySide(Path(tmp), link)
         try:
             snap = snapshot()
             v = side.first(snap)
