@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -112,6 +114,26 @@ def _raw(t: Any) -> np.ndarray:
     import torch
 
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def threads() -> int:
+    """Threads of the encode and apply passes: this process's cores, at most 8."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def each(fn: Callable[[Any], Any], items: list) -> list:
+    """``fn`` over ``items`` (tensors) on up to :func:`threads` threads, results in order;
+    the first exception is raised. zlib and numpy's array passes release the GIL, so the
+    encode and apply passes use several cores (``zlib.compress`` was most of an encode)."""
+    n = min(len(items), threads())
+    if n <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(n, thread_name_prefix="tensorhub-delta") as ex:
+        return list(ex.map(fn, items))
 
 
 def _sums(tensors: list[Any], algo: str = CHECKSUM_ALGO) -> list[int]:
@@ -196,8 +218,8 @@ def encode_tensors(tensors: Mapping[str, Any], base: BaseCopy, *, model: str, ve
     olds = [base.tensors[n] for n in names]
     base_sums = base.sums if names == list(base.tensors) else _sums(olds)
     blobs: list[bytes] = []
-    for n, t, b in zip(names, new, olds):
-        e = _delta.encode(_raw(b.cpu()), _raw(t), t.element_size())
+    for n, t, e in zip(names, new, each(lambda tb: _delta.encode(_raw(tb[1].cpu()), _raw(tb[0]),
+                                                                 tb[0].element_size()), list(zip(new, olds)))):
         blobs.append(e.blob)
         stats.changed += e.changed
         stats.elements += e.elements
@@ -476,8 +498,7 @@ def _run(session: Session, holdings: Holdings, opts: FetchOptions, model: str, v
                     f"this reader's copy of base v{step.base} against the delta's record of it")
             first = False
         try:
-            for spec, d in zip(manifest.tensors, dst):
-                _delta.apply(_raw(d), _raw(got[spec.name]))
+            each(lambda sd: _delta.apply(_raw(sd[1]), _raw(got[sd[0].name])), list(zip(manifest.tensors, dst)))
             _verify(dst, h["checksum"], h["checksums"], f"v{step.version} rebuilt from v{step.base} by its delta")
             apply_seconds += time.perf_counter() - t1
         except DeltaError:
