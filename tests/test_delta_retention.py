@@ -47,8 +47,17 @@ def test_retention_keeps_a_held_chain_and_a_reader_falls_back_once_a_link_is_ret
         want = trainer.call("fetch", version=3)["digest"]  # held: the trainer's own bytes
 
         # v2 is older than --keep-versions 1 keeps, but the trainer holds it (full and delta):
-        # retention leaves it, and the chain is read.
-        time.sleep(3.0)  # several retention ticks
+        # retention leaves it, and the chain is read. (Retention is running meanwhile: an
+        # unheld old version of another model is retired in the same window.)
+        import torch
+
+        for _ in range(2):
+            observer.publish("other", {"w": torch.zeros(4)})
+        observer.unpublish("other", 1)
+        deadline = time.monotonic() + 30
+        while observer.version_info("other", 1) is not None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert observer.version_info("other", 1) is None, "retention did not run"
         assert _known(observer, 2)
         got = r1.call("fetch", version=3)
         assert got["delta"] == [(1, 2), (2, 3)] and got["digest"] == want
