@@ -431,15 +431,15 @@ def fetch_through_delta(session: Session, holdings: Holdings, opts: FetchOptions
     else:
         check_fetch_base(base, version, into, None)
         b = base
-    if (src is not None and any(t.device.type != "cpu" for t in src.tensors.values())) or (
-            into is not None and any(getattr(t, "device", None) is not None and t.device.type != "cpu"
-                                     for t in into.values())):
-        return None, f"base v{b} is not in host memory (deltas are applied on the CPU)"
     try:
         manifest = session.manifest(model, version, layout, shard)
     except CoordinatorError as e:
         return None, e.message  # the full fetch says what is wrong
     steps, why = _routes(session, model, b, version, layout, shard, manifest.nbytes)
+    if steps is not None and ((src is not None and any(t.device.type != "cpu" for t in src.tensors.values())) or (
+            into is not None and any(getattr(t, "device", None) is not None and t.device.type != "cpu"
+                                     for t in into.values()))):
+        steps, why = None, f"base v{b} is not in host memory (deltas are applied on the CPU)"
     if steps is None:
         logger.info("%s v%d: reading the full version (%.1f MB) though this reader holds v%d: %s", model,
                     version, manifest.nbytes / 1e6, b, why)
