@@ -214,7 +214,7 @@ def test_reader_without_a_base_reads_the_full_version(connect):
     w2 = _step(w1, 2)
     t.publish("m", w2, base=1)
     f = r.fetch("m", 2)
-    assert f.delta is None and _same(f, w2) and f.nbytes == _full(w2)
+    assert f.delta is None and f.delta_skipped is None and _same(f, w2) and f.nbytes == _full(w2)
 
 
 def test_publish_base_errors(connect):
