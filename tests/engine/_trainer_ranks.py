@@ -1,11 +1,12 @@
 """One rank of a sharded trainer that speaks vLLM's trainer API (tests/engine/test_vllm_trainer_api.py).
 
-``python _trainer_ranks.py RANK WORLD MASTER_PORT COORDINATOR ENGINE_URL SEED``: joins a
+``python _trainer_ranks.py RANK WORLD MASTER_PORT COORDINATOR ENGINE_URL SEED [bad]``: joins a
 gloo group of WORLD ranks; each rank holds a row slice of every tensor of
 ``make_weights(SEED)`` and the source materializes each full tensor with an all-gather (a
 real collective, as FSDP's ``full_tensor()``). Every rank calls ``trainer_init`` and
 ``send_weights``; rank 0 sends, the others' client raises if it is ever called. Prints one
-``@@{json}`` line: the version published (rank 0) and how many tensors this rank gathered;
+``@@{json}`` line: the version published (rank 0), how many tensors this rank gathered and
+the error ``send_weights`` raised, if any;
 then shuts its engine down (rank 0's Hub closes: the engine keeps serving the version).
 """
 
@@ -18,6 +19,7 @@ import sys
 
 def main() -> None:
     rank, world, port, url, engine_url, seed = sys.argv[1:7]
+    bad = sys.argv[7:] == ["bad"]  # metadata() misdeclares one tensor's shape: rank 0 refuses it
     rank, world, seed = int(rank), int(world), int(seed)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     import torch
@@ -36,7 +38,10 @@ def main() -> None:
 
     class Sharded(WeightSource):
         def metadata(self):
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in full.items()]
+            meta = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in full.items()]
+            if bad:
+                meta[1] = ParamMeta(meta[1].name, meta[1].dtype, (1,) + meta[1].shape)
+            return meta
 
         def __iter__(self):
             for n in full:
@@ -53,10 +58,14 @@ def main() -> None:
     eng = WeightTransferTrainerFactory.trainer_init(
         TensorHubTrainerInitInfo(model="policy", coordinator=url, worker_id=f"trainer-rank{rank}", rank=rank),
         client=client, source=Sharded())
-    eng.send_weights()
+    error = None
+    try:
+        eng.send_weights()
+    except Exception as e:  # reported; the ranks must still have finished the same collectives
+        error = str(e)
     dist.barrier()
     print("@@" + json.dumps({"rank": rank, "version": eng.version, "gathered": gathered[0],
-                             "connected": eng.hub is not None}), flush=True)
+                             "connected": eng.hub is not None, "error": error}), flush=True)
     eng.shutdown()  # the engine that swapped holds the version: the trainer may go
     dist.destroy_process_group()
 

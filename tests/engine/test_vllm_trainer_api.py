@@ -169,23 +169,37 @@ def test_trainer_engine_publishes_and_the_engine_swaps(setup):
     setup["seed1_text"] = seed1_text
 
 
+def _run_ranks(setup, *extra: str) -> dict:
+    """Two gloo trainer ranks (``_trainer_ranks.py``) sending seed 0; their reports by rank."""
+    engine, url = setup["engine"], setup["url"]
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(HERE / "_trainer_ranks.py"), str(r), "2", port, url, engine.url,
+                               "0", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE),
+                              env=engine_env({"TENSORHUB_TOKEN": TOKEN}))
+             for r in range(2)]
+    results = {}
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)  # a rank stuck in a collective fails here
+            assert p.returncode == 0, err[-4000:]
+            line = next(l for l in out.splitlines() if l.startswith("@@"))
+            res = json.loads(line[2:])
+            results[res["rank"]] = res
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+    return results
+
+
 def test_two_trainer_ranks_only_rank0_sends(setup):
     """A gloo group of two ranks, each holding half of every tensor; the source all-gathers
     per tensor. Both ranks run trainer_init/send_weights; only rank 0 connects and talks to
     the engine (rank 1's client raises if touched)."""
     engine, url = setup["engine"], setup["url"]
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_trainer_ranks.py"), str(r), "2", port, url, engine.url,
-                               "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE),
-                              env=engine_env({"TENSORHUB_TOKEN": TOKEN}))
-             for r in range(2)]
-    results = {}
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-4000:]
-        line = next(l for l in out.splitlines() if l.startswith("@@"))
-        res = json.loads(line[2:])
-        results[res["rank"]] = res
+    results = _run_ranks(setup)
+    assert results[0]["error"] is None and results[1]["error"] is None, results
     n = len(make_weights(0))
     assert results[0]["gathered"] == results[1]["gathered"] == n
     assert results[0]["connected"] and not results[1]["connected"]
@@ -194,6 +208,16 @@ def test_two_trainer_ranks_only_rank0_sends(setup):
     assert _weight_version(engine) == "5"
     assert engine.generate(PROMPTS) == setup["seed0_text"]
     assert set(_replicas(url, 5)) == {"engine-a"}  # rank 0 shut down; the engine holds v5
+
+    # a source whose metadata() misdeclares a tensor: rank 0 refuses it naming the tensor,
+    # yet goes through every gather, so rank 1 is not left waiting in a collective
+    results = _run_ranks(setup, "bad")
+    n = len(make_weights(0))
+    assert results[0]["gathered"] == results[1]["gathered"] == n
+    assert results[0]["version"] is None and results[1]["error"] is None
+    err = results[0]["error"]
+    assert "yielded 'model.layers.0.self_attn.q_proj.weight' as" in err and "its metadata() declares" in err, err
+    assert _weight_version(engine) == "5"  # nothing was published, the engine was not asked
 
 
 def test_bad_input_gives_clear_errors_and_the_engine_serves_on(setup):
