@@ -34,6 +34,8 @@ from typing import Any, AsyncGenerator, Optional
 import tensorhub
 from verl.checkpoint_engine.base import CheckpointEngineRegistry, CheckpointEngineWithCache
 
+from integrations._core.worker import probe
+
 from ._publisher import Publisher
 from ._receiver import Receiver
 from .settings import VerlSettings
@@ -72,7 +74,14 @@ class TensorHubCheckpointEngine(CheckpointEngineWithCache):
     def _connect(self, role: str) -> tensorhub.Hub:
         if self.hub is None:
             s = self.settings
-            self.hub = tensorhub.connect(s.coordinator, **s.hub_options(role))
+            config = s.hub_config(role)
+            probe(config.coordinator, s.connect_timeout)  # fail fast, naming the URL, when it is down
+            try:
+                self.hub = tensorhub.connect(config=config)
+            except tensorhub.UnauthorizedError as e:
+                raise tensorhub.UnauthorizedError(
+                    f"tensorhub: the coordinator at {config.coordinator} refused the token (verl engine_kwargs "
+                    f"'token' or TENSORHUB_TOKEN): {e.message}", e.code, status=e.status) from None
             logger.info("tensorhub: %s worker %s connected to %s (model %r)", role, self.hub.worker_id,
                         self.hub.url, s.model)
         return self.hub

@@ -15,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
-from tensorhub import ConfigError
+import os
+import socket
+
+from tensorhub import ConfigError, HubConfig, envs
 
 __all__ = ["VerlSettings"]
 
@@ -36,6 +39,8 @@ class VerlSettings:
     worker_id: Optional[str] = None
     #: Locality labels ``dc=..,zone=..,host=..``; default ``TENSORHUB_LOCALITY``.
     locality: Optional[str] = None
+    #: Seconds ``prepare`` waits for the coordinator to answer ``/healthz`` before it fails.
+    connect_timeout: float = 20.0
     #: Trainer: snapshot buffers it publishes from, used in turn; a buffer is reused only
     #: after its version's readers drained (``unpublish``). 2 lets rollouts still read v
     #: while v+1 is published.
@@ -73,15 +78,18 @@ class VerlSettings:
             raise bad("dtype", f"must be one of {', '.join(_DTYPES)} (or null)")
         if not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool) or self.timeout <= 0:
             raise bad("timeout", "must be a positive number of seconds")
+        if not isinstance(self.connect_timeout, (int, float)) or isinstance(self.connect_timeout, bool) \
+                or self.connect_timeout <= 0:
+            raise bad("connect_timeout", "must be a positive number of seconds")
         if not isinstance(self.prefetch, bool):
             raise bad("prefetch", "must be true or false")
 
-    def hub_options(self, role: str) -> dict[str, Any]:
-        """Keyword arguments of :func:`tensorhub.connect` for a worker of ``role``."""
-        import os
-        import socket
-
-        worker_id = self.worker_id
-        if worker_id is None and not os.environ.get("TENSORHUB_WORKER_ID"):
-            worker_id = f"verl-{role}-{socket.gethostname()}-{os.getpid()}"
-        return {"worker_id": worker_id, "token": self.token, "locality": self.locality}
+    def hub_config(self, role: str) -> HubConfig:
+        """The Hub's config for a worker of ``role`` (worker id default
+        ``verl-<role>-<host>-<pid>``); a missing or malformed coordinator URL is an error here."""
+        worker_id = envs.pick(self.worker_id, "TENSORHUB_WORKER_ID") or \
+            f"verl-{role}-{socket.gethostname()}-{os.getpid()}"
+        try:
+            return HubConfig.resolve(self.coordinator, worker_id=worker_id, token=self.token, locality=self.locality)
+        except ConfigError as e:
+            raise ConfigError(f"tensorhub (verl engine_kwargs): {e}") from None
