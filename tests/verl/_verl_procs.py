@@ -47,6 +47,17 @@ def make_weights(seed: int, layers: int = 4) -> dict:
     return out
 
 
+def tiny_llama(seed: int) -> dict:
+    """The tiny Llama of the engine tests (tests/engine/_tiny.py), seeded."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+    from _tiny import make_weights as tiny
+
+    return tiny(seed)
+
+
 def digest(t: Any) -> str:
     import torch
 
@@ -123,7 +134,7 @@ def _trainer(conn: Any, rank: int, engine_kwargs: dict, bucket_mb: int, how: str
                                           **cfg.engine_kwargs.get(cfg.backend, {}))
 
     def send(seed: int, layers: int = 4, global_steps: Optional[int] = None) -> dict:
-        w = make_weights(seed, layers)
+        w = make_weights(seed, layers) if layers else tiny_llama(seed)
         metrics = asyncio.run(engine.send_weights(iter(list(w.items())), global_steps=global_steps))
         return {"metrics": metrics, "digests": digests(w)}
 
@@ -200,6 +211,89 @@ def _rollout(conn: Any, rank: int, engine_kwargs: dict, bucket_mb: int, how: str
 
     _serve(conn, {"engine": lambda m, *a, **k: worker.execute_checkpoint_engine(m, *a, **k),
                   "update": update, "get_weights": get_weights, "generate": generate, "cached": cached})
+
+
+class _VllmAdapter:
+    """The rollout server adapter's stand-in for vLLM: a verl ``BaseRollout`` that, like verl's
+    vLLM ``ServerAdapter`` + ``BucketedWeightSender``, copies what it is handed into buckets of
+    ``bucket_size`` and hands each bucket to the engine's workers (here ``collective_rpc`` to an
+    in-process ``vllm.LLM``, where verl uses ZMQ + CUDA IPC / shared memory)."""
+
+    def __init__(self, config: Any, model_config: Any, llm: Any, bucket_size: int) -> None:
+        from verl.workers.rollout import BaseRollout
+
+        class Adapter(BaseRollout):
+            async def resume(self, tags):  # pragma: no cover - not called
+                pass
+
+            async def release(self):  # pragma: no cover - not called
+                pass
+
+            async def update_weights(self_, weights, **kwargs):
+                import torch
+
+                self_.got, self_.buckets = {}, 0
+                buf = torch.empty(bucket_size, dtype=torch.uint8)
+                bucket, off = [], 0
+
+                def flush() -> None:
+                    llm.collective_rpc("verl_load", args=(bucket,))
+                    self_.buckets += 1
+
+                llm.collective_rpc("verl_begin")
+                async for name, t in weights:
+                    self_.got[name] = digest(t)
+                    n = t.numel() * t.element_size()
+                    off = -(-off // 64) * 64
+                    if bucket and off + n > bucket_size:
+                        flush()
+                        buf = torch.empty(bucket_size, dtype=torch.uint8)  # the engine may keep views
+                        bucket, off = [], 0
+                    view = buf[off:off + n].view(t.dtype).view(t.shape)
+                    view.copy_(t)
+                    bucket.append((name, view))
+                    off += n
+                if bucket:
+                    flush()
+                llm.collective_rpc("verl_end")
+
+        self.adapter = Adapter(config, model_config, None)
+
+
+def _rollout_vllm(conn: Any, engine_kwargs: dict, bucket_mb: int, model_dir: str) -> None:
+    os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    _load_backend("plugins")
+    from vllm import LLM, SamplingParams
+
+    from verl.checkpoint_engine import CheckpointEngineWorker
+    from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
+
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=128,
+              worker_extension_cls="_verl_vllm_ext.LoadBuckets")
+    ce = CheckpointEngineConfig(backend=BACKEND, update_weights_bucket_megabytes=bucket_mb,
+                                engine_kwargs={BACKEND: dict(engine_kwargs)})
+    rc = RolloutConfig(name="vllm", checkpoint_engine=ce)
+    mc = HFModelConfig(path=model_dir, load_tokenizer=False)
+    adapter = _VllmAdapter(rc, mc, llm, bucket_mb << 20).adapter
+    worker = CheckpointEngineWorker(rc, mc, server_adapter=adapter)
+
+    def update(global_steps: Optional[int] = None) -> dict:
+        asyncio.run(worker.update_weights(global_steps=global_steps))
+        return {"digests": adapter.got, "adapter_buckets": adapter.buckets,
+                "stats": {"version": worker.checkpoint_engine.receiver.stats.version,
+                          "buckets": worker.checkpoint_engine.receiver.stats.buckets}}
+
+    def generate(prompts: list) -> list:
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+    _serve(conn, {"engine": lambda m, *a, **k: worker.execute_checkpoint_engine(m, *a, **k),
+                  "update": update, "generate": generate})
+
+
+def rollout_vllm(engine_kwargs: dict, model_dir: str, bucket_mb: int = 1) -> "Proc":
+    return Proc(_rollout_vllm, engine_kwargs, bucket_mb, model_dir)
 
 
 def _serve(conn: Any, handlers: dict) -> None:
