@@ -43,7 +43,8 @@ class VerlSettings:
     connect_timeout: float = 20.0
     #: Trainer: snapshot buffers it publishes from, used in turn; a buffer is reused only
     #: after its version's readers drained (``unpublish``). 2 lets rollouts still read v
-    #: while v+1 is published.
+    #: while v+1 is published; 1 is refused: the newest version must keep a replica while
+    #: the next one is copied (retention).
     keep: int = 2
     #: Trainer: cast floating-point tensors to this dtype in the snapshot (``"bfloat16"``
     #: halves what moves when the trainer holds float32 masters); None keeps each dtype.
@@ -72,8 +73,9 @@ class VerlSettings:
 
         if not isinstance(self.model, str) or not self.model:
             raise bad("model", "must be a non-empty string")
-        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
-            raise bad("keep", "must be an integer >= 1")
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 2:
+            raise bad("keep", "must be an integer >= 2 (the newest version keeps its replica while the "
+                              "next one is copied)")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise bad("dtype", f"must be one of {', '.join(_DTYPES)} (or null)")
         if not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool) or self.timeout <= 0:

@@ -57,7 +57,7 @@ def _new(**kw):
 
 @pytest.mark.parametrize("kwargs, text", [
     ({"modle": "p"}, "unknown key 'modle'"),
-    ({"keep": 0}, "keep=0: must be an integer >= 1"),
+    ({"keep": 1}, "keep=1: must be an integer >= 2"),
     ({"dtype": "fp8"}, "dtype='fp8': must be one of float32, bfloat16, float16"),
     ({"timeout": -1}, "timeout=-1: must be a positive number"),
     ({"prefetch": "yes"}, "prefetch='yes': must be true or false"),
@@ -146,9 +146,14 @@ def model_dir(tmp_path):
     return str(d)
 
 
-def _check(step: dict, seed: int, layers: int = 4) -> None:
-    want = digests(make_weights(seed, layers))
-    assert step["sent"][0]["digests"] == want
+def _check(step: dict, seed: int, layers: int = 4, cast: str | None = None) -> None:
+    import torch
+
+    sent = make_weights(seed, layers)
+    assert step["sent"][0]["digests"] == digests(sent)
+    if cast is not None:  # the trainer's engine_kwargs dtype: floating tensors cast in the snapshot
+        sent = {n: t.to(getattr(torch, cast)) if t.is_floating_point() else t for n, t in sent.items()}
+    want = digests(sent)
     for got in step["got"]:
         assert got["digests"] == want  # every tensor, bit for bit, in the order sent
         assert list(got["digests"]) == list(want)
@@ -195,15 +200,17 @@ def test_sync_steps_publish_and_stream_bit_exact_in_bounded_buckets(coord, model
 
 @pytest.mark.multiprocess
 def test_prefetch_while_rollouts_run_then_get_weights(coord, model_dir):
+    import torch
+
     kw = {"coordinator": coord.url, "timeout": 120}
     pkw = dict(kw, prefetch=True)
-    t = trainer(0, kw)
+    t = trainer(0, dict(kw, dtype="bfloat16"))  # float32 masters, bfloat16 on the wire
     rollouts = [rollout(0, pkw, model_dir), rollout(1, pkw, model_dir)]
     try:
         for w in [t, *rollouts]:
             w.ready()
         s1 = sync_step([t], rollouts, 21, global_steps=1)
-        _check(s1, 21)
+        _check(s1, 21, cast="bfloat16")
 
         # The trainer's half of the next step, while both rollouts keep generating.
         for r in rollouts:
@@ -211,13 +218,15 @@ def test_prefetch_while_rollouts_run_then_get_weights(coord, model_dir):
         meta = t.call("engine", "prepare")
         v2 = meta["version"]
         t.call("engine", "init_process_group", rank=0, version=v2, role="trainer")
-        sent = t.call("send", 22, global_steps=2)
+        t.call("send", 22, global_steps=2)
         t.call("engine", "finalize")
         ran = [r.result() for r in rollouts]
         for r, gen in zip(rollouts, ran):
             assert v2 in gen["versions_seen"], gen  # the copy changed to v2 while this rollout generated
             assert r.call("cached") == v2
-            assert r.call("get_weights") == sent["digests"]  # get_weights: the prefetched v2, bit for bit
+            want = digests({n: t.to(torch.bfloat16) if t.is_floating_point() else t
+                            for n, t in make_weights(22).items()})
+            assert r.call("get_weights") == want  # get_weights: the prefetched v2, bit for bit
 
         hub = tensorhub.connect(coord.url, worker_id="test-observer")
         try:
@@ -227,7 +236,7 @@ def test_prefetch_while_rollouts_run_then_get_weights(coord, model_dir):
         assert len(holders) == 3, holders  # the trainer and both rollouts' prefetched copies serve v2
 
         s3 = sync_step([t], rollouts, 23, global_steps=3)  # receive_weights reads through the copy
-        _check(s3, 23)
+        _check(s3, 23, cast="bfloat16")
     finally:
         for w in [t, *rollouts]:
             w.close()
