@@ -194,16 +194,19 @@ def _rollout(conn: Any, rank: int, engine_kwargs: dict, bucket_mb: int, how: str
 
         return asyncio.run(run())
 
-    def generate(seconds: float) -> dict:
-        """Rollouts running: busy on this thread; returns when the cache changed meanwhile."""
+    def generate(newer_than: int, max_seconds: float) -> dict:
+        """Rollouts running: busy on this thread until the prefetched copy is newer than
+        ``newer_than`` (or ``max_seconds`` passed); returns the versions it saw meanwhile."""
         c = worker.checkpoint_engine.receiver.cache
         t0 = time.monotonic()
         seen = []
         n = 0
-        while time.monotonic() - t0 < seconds:
+        while time.monotonic() - t0 < max_seconds:
             n += sum(i * i for i in range(2000))
             if c.version not in seen:
                 seen.append(c.version)
+            if c.version is not None and c.version > newer_than:
+                break
         return {"versions_seen": seen, "seconds": time.monotonic() - t0}
 
     def cached() -> Optional[int]:
