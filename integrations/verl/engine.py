@@ -28,6 +28,7 @@ version into a local copy while rollouts run; ``get_weights()`` yields that copy
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from typing import Any, AsyncGenerator, Optional
 
@@ -107,7 +108,8 @@ class TensorHubCheckpointEngine(CheckpointEngineWithCache):
         hub = self._connect(role)
         version = None
         if self.is_master:
-            version = hub.api.allocate_version(self.settings.model, None)
+            # a retried request (its answer lost) gets the same number: no version skipped
+            version = hub.api.allocate_version(self.settings.model, None, request_id=secrets.token_hex(12))
         return {"coordinator": hub.url, "model": self.settings.model, "worker_id": hub.worker_id,
                 "is_master": self.is_master, "version": version}
 
