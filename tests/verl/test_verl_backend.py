@@ -241,3 +241,45 @@ def test_prefetch_while_rollouts_run_then_get_weights(coord, model_dir):
     finally:
         for w in [t, *rollouts]:
             w.close()
+
+
+# ---------------------------------------------------------------------- in process: the rollout's reads
+def test_plan_buckets_cuts_in_order_within_the_limit():
+    from collections import namedtuple
+
+    from integrations.verl._receiver import plan_buckets
+
+    S = namedtuple("S", "name nbytes")
+    specs = [S("a", 64), S("b", 448), S("c", 500), S("d", 2000), S("e", 10), S("f", 20), S("g", 1024)]
+    plan = [[s.name for s in b] for b in plan_buckets(specs, 1024)]
+    # a+b+c fill 1024 bytes (c padded to 512); d is larger than a bucket: alone; g would overflow e+f
+    assert plan == [["a", "b", "c"], ["d"], ["e", "f"], ["g"]]
+
+
+def test_streamed_buckets_are_exact_and_an_abandoned_stream_closes_cleanly(connect):
+    """The rollout's stream over a real Hub (in-memory transport, embedded coordinator): every
+    tensor exact, at most two bucket buffers, and a consumer that stops early (its next bucket's
+    read in flight) closes the stream without an error."""
+    import torch
+
+    from integrations.verl._receiver import Receiver
+
+    w = make_weights(3, layers=6)
+    v = connect("trainer").publish("policy", w)
+    r = Receiver(connect("rollout"), "policy", bucket_size=MB, timeout=30)
+
+    async def read_all():
+        return {n: t.clone() async for n, t in r.stream(v)}
+
+    got = asyncio.run(read_all())
+    assert list(got) == list(w) and all(torch.equal(got[n], w[n]) for n in w)
+    assert r.stats.largest_bucket <= MB and r.stats.buffer_bytes <= 2 * MB and r.stats.oversized == 2 * MB
+
+    async def stop_early():
+        gen = r.stream(v)
+        first = [await gen.__anext__() for _ in range(2)]
+        await gen.aclose()  # the next bucket's read is in flight: aclose waits for it
+        return first
+
+    first = asyncio.run(stop_early())
+    assert [n for n, _ in first] == list(w)[:2]
