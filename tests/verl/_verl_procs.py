@@ -7,7 +7,8 @@ after verl's own entry-point discovery or ``custom_backend_module`` import), its
 config and drives ``receive_weights`` into the server adapter), the backend's classmethod
 ``build_topology``, a coordinator process and Mooncake over TCP between the processes.
 
-What stands in: Ray (each worker is a ``spawn`` process answering commands on a pipe; the
+What stands in: Ray (test_verl_ray.py runs verl's manager over real Ray; here each worker is
+a ``spawn`` process answering commands on a pipe, so the tests can look inside; the
 driver's :func:`sync_step` makes the calls of ``CheckpointEngineManager.update_weights``
 in the same order: prepare everywhere, build_topology, init_process_group, send and
 receive concurrently, finalize), the trainer's model engine (a generator of seeded
