@@ -38,10 +38,11 @@ def tiny_llama(seed: int) -> Any:
                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
                eos_token_id=2, pad_token_id=3, hidden_act="silu")
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in model.state_dict().items():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
