@@ -84,6 +84,36 @@ def test_runs_move_exactly_the_intersection():
         assert moved == 8 * int((expect >= 0).sum())  # only the intersection's bytes
 
 
+def test_state_sends_hf_readers_to_the_slices_until_an_assembled_copy_serves():
+    from tensorhub._exceptions import ConflictError
+    from tensorhub._state import CoordinatorState
+    from tensorhub._wire import AcquireLease, Locality, RegisterReplica
+
+    st = CoordinatorState()
+    for w in ("r0", "r1", "reader", "other"):
+        st.register_worker(0.0, w, f"{w}:1", Locality())
+    st.allocate_version(0.0, "m", 1)
+    halves = [_m(("w", (4, 6), (8, 6), (0, 0))), _m(("w", (4, 6), (8, 6), (4, 0)))]
+    ask = AcquireLease(worker_id="reader", model="m", version=1)
+    for r, man in enumerate(halves):
+        assert st.latest("m") is None
+        st.register_replica(1.0, RegisterReplica(worker_id=f"r{r}", model="m", version=1, layout=SLICED, shard=r,
+                                                 num_shards=2, manifest=man, addresses=[4096 * (r + 1)]))
+    assert st.latest("m") == 1
+    with pytest.raises(ConflictError) as e:
+        st.acquire_lease(2.0, ask)
+    assert e.value.code == "read_slices" and "2 shards of layout 'hf.slices'" in e.value.message
+    full = Manifest(tensors=[TensorSpec(name="w", dtype="float32", shape=(8, 6), nbytes=192)])
+    rid, _ = st.register_replica(3.0, RegisterReplica(worker_id="other", model="m", version=1, manifest=full,
+                                                      addresses=[65536]))
+    assert [r.worker_id for r in st.acquire_lease(4.0, ask).replicas] == ["other"]
+    assert st.acquire_lease(4.0, AcquireLease(worker_id="reader", model="m", version=1, layout=SLICED,
+                                              shard=1)).replicas[0].worker_id == "r1"
+    st.report(5.0, rid, "reader", "bad")  # the only assembled copy is suspect: back to the slices
+    with pytest.raises(ConflictError, match="read them and assemble"):
+        st.acquire_lease(6.0, ask)
+
+
 # ---------------------------------------------------------------------- Hubs, plain slices
 def _ranks(connect, n):
     return [connect(f"rank{i}") for i in range(n)]
@@ -146,6 +176,18 @@ def test_bad_slices_get_clear_errors_before_anything_is_registered(connect):
     assert h.held() == []
     with pytest.raises(tensorhub.ConfigError, match="cannot be served"):
         h.fetch("m", 1, ranges={"w": ((0, 1), None)})
+
+
+def test_ranks_passing_the_same_key_get_one_version_for_full_shards_too(connect):
+    a, b = _ranks(connect, 2)
+    x, y = torch.randn(4), torch.randn(5)
+    assert a.publish("m", {"x": x}, key="step-9", shard=0, num_shards=2) == 1
+    assert a.latest("m") is None
+    assert b.publish("m", {"y": y}, key="step-9", shard=1, num_shards=2) == 1
+    assert a.latest("m") == 1
+    assert a.publish("m", {"x": x}, key="step-10", shard=0, num_shards=2) == 2  # a new key: a new version
+    with pytest.raises(tensorhub.ConfigError, match="version= or key=, not both"):
+        a.publish("m", {"x": x}, key="k", version=3)
 
 
 def test_range_reads_of_a_full_publish_move_only_their_bytes(connect):
