@@ -178,6 +178,19 @@ def test_bad_slices_get_clear_errors_before_anything_is_registered(connect):
         h.fetch("m", 1, ranges={"w": ((0, 1), None)})
 
 
+def test_assembled_bytes_are_checked_against_each_ranks_checksums(connect):
+    w = torch.randn(8, 4)
+    a, b = _ranks(connect, 2)
+    sa = w[:4].clone()
+    a.publish("m", {"w": Slice(sa, (8, 4), (0, 0))}, key="k", shard=0, num_shards=2)
+    b.publish("m", {"w": Slice(w[4:].clone(), (8, 4), (4, 0))}, key="k", shard=1, num_shards=2)
+    sa[1, 2] += 1.0  # rank 0's memory changes under a registered version (a holder bug)
+    reader = connect("reader")
+    with pytest.raises(tensorhub.FetchError, match=r"hf.slices shard 0: checksum mismatch on chunk 0"):
+        reader.fetch("m", 1)
+    assert reader.held() == []  # nothing served
+
+
 def test_ranks_passing_the_same_key_get_one_version_for_full_shards_too(connect):
     a, b = _ranks(connect, 2)
     x, y = torch.randn(4), torch.randn(5)
