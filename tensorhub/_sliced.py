@@ -16,7 +16,9 @@ Who calls what:
   serves yet is told ``read_slices`` by the coordinator and lands in :func:`fetch`: it leases
   every rank's shard, reads each slice straight into its place in the full tensors (one
   thread per shard, so the read is striped over the slice holders, each thread striping over
-  that shard's replicas), checks each shard's chunk checksums in the assembled memory, and
+  that shard's replicas), checks each shard's chunk checksums in the assembled memory (as
+  each chunk lands, failing a mismatching source over, when every slice lands in one piece;
+  else after the read, failing the fetch), and
   with ``serve=True`` registers the full tensors as an ordinary ``hf`` replica: later readers
   read that copy, like any other. ``fetch(..., ranges={name: (rows, cols)})`` reads only a
   row range (dim 0) and a column range (dim 1) of tensors, and moves only those bytes; it
@@ -272,9 +274,21 @@ def fetch(session: Session, holdings: Holdings, opts: FetchOptions, model: str, 
     results: dict[int, Any] = {}
     stuck: list[bool] = []
 
+    direct: set[int] = set()  # shards read whole-slice by whole-slice: checksums checked chunk by chunk
+    for s, runs_ in enumerate(per_shard):
+        if not ranges and runs_ and all(r.src_off == 0 and r.nbytes == manifests[s].tensors[r.src_index].nbytes
+                                        for r in runs_):
+            direct.add(s)
+
     def one(s: int, runs: list[Run]) -> None:
         try:
-            results[s] = _read_shard(session, opts, model, version, layout, s, runs, base, deadline, stuck)
+            check = None
+            if s in direct:  # each run is one whole slice, contiguous where it lands
+                m = manifests[s]
+                keep = [r.src_index for r in runs]
+                views = {r.dst: _landing(out[r.dst], m, r.src_index) for r in runs}
+                check = verifier(m, views, opts.checksum, None if len(keep) == len(m.tensors) else keep)
+            results[s] = _read_shard(session, opts, model, version, layout, s, runs, base, deadline, stuck, check)
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             results[s] = e
 
@@ -304,8 +318,9 @@ def fetch(session: Session, holdings: Holdings, opts: FetchOptions, model: str, 
             failed += st.failed_sources
             for w, b in st.bytes_by_source.items():
                 sources[w] = sources.get(w, 0) + b
-        if not ranges:
-            _verify(manifests, layout, out, opts.checksum, model, version, set(wanted))
+        if not ranges:  # the other shards' slices landed in pieces: checked where they landed
+            _verify([m if s not in direct else None for s, m in enumerate(manifests)], layout, out, opts.checksum,
+                    model, version, set(wanted))
         if serve:
             full, addrs = manifest_of(out, opts.checksum)
             h = Held(model, version, "hf", 0, 1, full, addrs, regions, out, extra=[buf])
@@ -329,9 +344,21 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def _landing(dst: Any, m: Manifest, i: int) -> Any:
+    """The view of destination ``dst`` where tensor ``i`` of shard manifest ``m`` lands."""
+    if m.slices is None:
+        return dst
+    box = box_of(m.tensors[i], m.slices[i].offsets)
+    return dst[tuple(slice(a, b) for a, b in box)]
+
+
 def _read_shard(session: Session, opts: FetchOptions, model: str, version: int, layout: str, shard: int,
-                runs: list[Run], base: Mapping[str, int], deadline: float, stuck: list) -> ReadStats:
-    """Read one shard's runs (this thread), under leases on that shard; see the module docstring."""
+                runs: list[Run], base: Mapping[str, int], deadline: float, stuck: list,
+                check: Any = None) -> ReadStats:
+    """Read one shard's runs (this thread), under leases on that shard; see the module
+    docstring. ``check``: a ``_checksum.Verifier`` whose tensors are the runs (whole
+    slices): each chunk is verified as it lands, and a mismatch fails its source over to
+    another replica of the shard, as in a full read."""
     sizes = [r.nbytes for r in runs]
     local = [base[r.dst] + r.dst_off for r in runs]
     clock = LeaseClock()
@@ -358,7 +385,7 @@ def _read_shard(session: Session, opts: FetchOptions, model: str, version: int, 
             renew_leases(session.api, leases, clock, session.lease_ttl)
 
     reader = ShardReader(session.transport(), sizes, local, chunk_bytes=min(opts.chunk_bytes, CHUNK_BYTES),
-                         depth=DEPTH, progress_timeout=opts.progress_timeout)
+                         depth=DEPTH, progress_timeout=opts.progress_timeout, checksums=check)
     todo: Optional[list[int]] = None
     total = ReadStats()
     try:
@@ -386,22 +413,21 @@ def _read_shard(session: Session, opts: FetchOptions, model: str, version: int, 
         release_all(session, leases)
 
 
-def _verify(manifests: Sequence[Manifest], layout: str, out: Mapping[str, Any], mode: str, model: str,
+def _verify(manifests: Sequence[Optional[Manifest]], layout: str, out: Mapping[str, Any], mode: str, model: str,
             version: int, wanted: set[str]) -> None:
     """Check each shard's chunk checksums against the bytes where they landed (in the full
-    tensors); a mismatch fails the fetch naming the shard and the chunk."""
+    tensors); a mismatch fails the fetch naming the shard and the chunk. None: a shard
+    checked while it was read."""
     for s, m in enumerate(manifests):
+        if m is None:
+            continue
         keep = [i for i, t in enumerate(m.tensors) if t.name in wanted]
         if not keep or m.checksums is None:
             continue
         views = {}
         for i in keep:
-            t = m.tensors[i]
-            dst = out[t.name]
-            if m.slices is not None:
-                box = box_of(t, m.slices[i].offsets)
-                dst = dst[tuple(slice(a, b) for a, b in box)]
-            views[t.name] = dst if dst.is_contiguous() else dst.contiguous()
+            dst = _landing(out[m.tensors[i].name], m, i)
+            views[m.tensors[i].name] = dst if dst.is_contiguous() else dst.contiguous()
         v = verifier(m, views, mode, None if len(keep) == len(m.tensors) else keep)
         if v is None:
             continue

@@ -186,9 +186,23 @@ def test_assembled_bytes_are_checked_against_each_ranks_checksums(connect):
     b.publish("m", {"w": Slice(w[4:].clone(), (8, 4), (4, 0))}, key="k", shard=1, num_shards=2)
     sa[1, 2] += 1.0  # rank 0's memory changes under a registered version (a holder bug)
     reader = connect("reader")
-    with pytest.raises(tensorhub.FetchError, match=r"hf.slices shard 0: checksum mismatch on chunk 0"):
-        reader.fetch("m", 1)
+    with pytest.raises(tensorhub.FetchError, match=r"excluded after a checksum mismatch .*checksum mismatch on chunk 0"):
+        reader.fetch("m", 1, timeout=3)  # rank 0's shard has no other replica to fail over to
     assert reader.held() == []  # nothing served
+    # A second holder of rank 0's slice (same manifest): the corrupt source fails over to it.
+    spare = connect("spare")
+    spare.publish("m", {"w": Slice(w[:4].clone(), (8, 4), (0, 0))}, key="k", shard=0, num_shards=2)
+    got = reader.fetch("m", 1, timeout=10, serve=False)
+    assert torch.equal(got["w"], w) and len(got.failed_sources) <= 1 and got.sources.get("spare") == 64
+    # Slices cut along dim 1 land in pieces: checked where they landed, after the read.
+    c, d = connect("c"), connect("d")
+    sc = w[:, :2].contiguous()
+    c.publish("m", {"w": Slice(sc, (8, 4), (0, 0))}, key="k2", shard=0, num_shards=2)
+    d.publish("m", {"w": Slice(w[:, 2:].contiguous(), (8, 4), (0, 2))}, key="k2", shard=1, num_shards=2)
+    sc[3, 1] -= 1.0
+    with pytest.raises(tensorhub.FetchError, match=r"hf.slices shard 0: checksum mismatch on chunk 0"):
+        reader.fetch("m", 2, timeout=3)
+    assert reader.held() == []
 
 
 def test_ranks_passing_the_same_key_get_one_version_for_full_shards_too(connect):
