@@ -271,7 +271,8 @@ class Hub:
         published deltas move fewer bytes than the full version, the deltas are read and
         applied (into a new buffer, or ``into`` in place), checked against the version's
         checksums, and served too; any delta problem reads the full version instead (and
-        logs why). ``result.delta`` says how (None: read in full).
+        logs why). ``result.delta`` says how (None: read in full), and
+        ``result.delta_skipped`` why a reader that had a base read in full (None: it had none).
 
         Sliced versions (published by trainer ranks, ``tensorhub._sliced``) read as ``hf``
         like any other: the full tensors are assembled from the ranks' slices. ``ranges``
@@ -349,22 +350,25 @@ class Hub:
         if held is not None:  # we hold it already: no transfer
             return copy_held(held, into, names, self._holdings, self.worker_id)
         track.version = version
+        skipped: Optional[str] = None
         try:
             if names is None:  # delta versions (issue #16): None -> read in full
-                f = _delta_path.fetch_through_delta(self._session, self._holdings, opts, model, version, layout,
-                                                    shard, into=into, base=base, serve=serve, deadline=deadline,
-                                                    track=track, pipelined=self.pipelined)
+                f, skipped = _delta_path.fetch_through_delta(self._session, self._holdings, opts, model, version,
+                                                             layout, shard, into=into, base=base, serve=serve,
+                                                             deadline=deadline, track=track, pipelined=self.pipelined)
                 if f is not None:
                     return f
-            return Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into,
-                         serve=serve, deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
+            got = Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into,
+                        serve=serve, deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
         except FetchError as e:
             cause = e.__cause__
             if not (isinstance(cause, ConflictError) and cause.code == "read_slices"):
                 raise
-        # Published as slices and no assembled copy serves yet (the coordinator said so).
-        return _sliced.fetch(self._session, self._holdings, opts, model, version, into=into, serve=serve,
-                             deadline=deadline, track=track, names=names)
+            # Published as slices and no assembled copy serves yet (the coordinator said so).
+            got = _sliced.fetch(self._session, self._holdings, opts, model, version, into=into, serve=serve,
+                                deadline=deadline, track=track, names=names)
+        got.delta_skipped = skipped
+        return got
 
     def version_info(self, model: str, version: int) -> Optional[VersionView]:
         """``model`` v``version`` as the coordinator sees it now: ``.complete``, its

@@ -218,14 +218,15 @@ def fetch(st: WorkerState, version: int, layout: str = "hf", *, shard: int = 0,
     got = st.hub.fetch(s.model, version, layout=layout, shard=shard if native else 0,
                        serve=st.serving and not native, timeout=s.fetch_timeout, into=into,
                        base=base if into is not None and not native else None)
-    d = getattr(got, "delta", None)
-    logger.info("tensorhub: fetched %s v%d (%s): %.1f MB in %.2fs (%.2f GB/s) from %s%s%s%s",
+    d, skipped = getattr(got, "delta", None), getattr(got, "delta_skipped", None)
+    logger.info("tensorhub: fetched %s v%d (%s): %.1f MB in %.2fs (%.2f GB/s) from %s%s%s%s%s",
                 s.model, version, layout, got.nbytes / 1e6,
                 time.monotonic() - t0, got.gbps, got.sources,
                 f"; failed sources {got.failed_sources}" if got.failed_sources else "",
                 "; into the kept copy of an older version" if into is not None else "",
                 f"; through delta(s) {d.steps} ({100 * d.nbytes / max(1, d.full_nbytes):.1f}% of the version)"
-                if d is not None else "")
+                if d is not None else "",
+                f"; in full, not through deltas: {skipped}" if skipped else "")
     return got
 
 
