@@ -9,8 +9,6 @@ over real Mooncake, read by real Hubs.
 
 from __future__ import annotations
 
-import itertools
-import os
 import random
 
 import pytest
@@ -21,7 +19,6 @@ from tensorhub import Slice
 from tensorhub._exceptions import ManifestMismatchError
 from tensorhub._slices import SLICED, check_register, runs
 from tensorhub._wire import Manifest, SliceSpec, TensorSpec
-from tensorhub.testing import InMemoryTransport
 
 
 # ---------------------------------------------------------------------- pure
