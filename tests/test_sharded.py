@@ -309,3 +309,12 @@ def test_fsdp2_four_ranks_bit_exact_and_a_rank_dying_before_registering_leaves_i
             # Rank 3's v1 slices died with it; the reader's assembled copy still serves v1.
             again = r2.fetch("policy", 1, serve=False, timeout=30)
             assert again.sources == {"reader": got.nbytes} and all(torch.equal(again[k], ref[k]) for k in ref)
+
+
+def test_full_manifests_on_the_wire_carry_no_slices_field(embedded, connect):
+    """Clients and coordinators that predate sliced publishing refuse unknown fields."""
+    import httpx
+
+    connect("holder").publish("m", {"x": torch.zeros(3)})
+    body = httpx.get(f"{embedded.url}/v1/models/m/versions/1/manifest", params={"layout": "hf", "shard": 0}).json()
+    assert set(body) == {"tensors", "checksum", "checksums"}
