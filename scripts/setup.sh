@@ -51,3 +51,19 @@ for p in "${sgl_deps[@]}"; do .venv/bin/pip show -q "$p" >/dev/null 2>&1 || miss
 if [ ${#missing[@]} -gt 0 ]; then
   .venv/bin/pip install -q --disable-pip-version-check --no-deps "${missing[@]}"
 fi
+# verl backend (tests/verl): verl's wheel (and its extras) pin a CUDA torch and GPU trainer packages,
+# so on CPU it goes in without dependencies, plus what its checkpoint_engine, config, rollout and
+# single_controller modules import: ray (its own deps touch no torch), hydra/omegaconf, codetiming,
+# and tensordict without its deps (they name torch; 0.10.0 is the newest verl 0.9.1 accepts).
+if ! .venv/bin/pip show -q verl >/dev/null 2>&1; then
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps 'verl==0.9.1'
+fi
+.venv/bin/pip show -q ray >/dev/null 2>&1 || \
+  .venv/bin/pip install -q --disable-pip-version-check 'ray==2.60.0'
+verl_deps=('hydra-core==1.3.8' 'omegaconf==2.3.1' 'antlr4-python3-runtime==4.9.3' 'codetiming==1.4.0'
+           'importlib_metadata' 'tensordict==0.10.0' 'pyvers==0.1.0')
+missing=()
+for p in "${verl_deps[@]}"; do .venv/bin/pip show -q "${p%%==*}" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps "${missing[@]}"
+fi
