@@ -187,7 +187,7 @@ def _local_part(name: str, dt: Any) -> tuple[Any, tuple[int, ...], tuple[int, ..
 
     for d, p in enumerate(dt.placements):
         if not isinstance(p, Shard):
-            raise ValueError(f"tensorhub: tensor {name!r}: placement {p} on mesh dimension {d}: sliced publishing "
+            raise ValueError(f"tensorhub: tensor {name!r}: placement {p!r} on mesh dimension {d}: sliced publishing "
                              "takes Shard placements only (FSDP2 fully_shard); gather or reduce it first")
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()

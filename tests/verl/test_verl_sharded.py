@@ -130,3 +130,38 @@ def test_a_rank_dying_mid_send_leaves_the_version_incomplete_and_rollouts_get_a_
             if w is trainers[0]:
                 w.p.kill()
             w.close()
+
+
+def test_sliced_weights_without_a_version_and_replicated_placements_are_clear_errors(tmp_path):
+    import asyncio
+    import subprocess
+    import sys
+
+    import tensorhub
+    from integrations.verl._publisher import Publisher
+
+    p = Publisher(hub=None, model="policy", keep=2, dtype=None)
+
+    async def rest():
+        return
+        yield
+
+    with pytest.raises(tensorhub.ConfigError, match="need the step's version on every trainer rank"):
+        asyncio.run(p.publish_slices(("w", None), rest(), None, 5, True))
+    # a DTensor replicated over the mesh (HSDP's replicate dimension): refused, naming the tensor
+    code = ("import torch, torch.distributed as dist\n"
+            f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'pg'}', rank=0, world_size=1)\n"
+            "from torch.distributed.device_mesh import init_device_mesh\n"
+            "from torch.distributed.tensor import distribute_tensor, Replicate, Shard\n"
+            "from integrations.verl._publisher import _local_part\n"
+            "mesh = init_device_mesh('cpu', (1,))\n"
+            "local, shape, off, r = _local_part('a', distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))\n"
+            "assert (tuple(local.shape), shape, off, r) == ((4, 3), (4, 3), (0, 0), (0, 1)), (shape, off, r)\n"
+            "try:\n    _local_part('w', distribute_tensor(torch.ones(4), mesh, [Replicate()]))\n"
+            "except ValueError as e:\n    print(e)\n"
+            "dist.destroy_process_group()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": ":".join(sys.path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tensor 'w': placement Replicate() on mesh dimension 0: sliced publishing takes Shard placements" \
+        in out.stdout
