@@ -38,8 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rl_task import (BATCH, LR, MODEL, NEW_TOKENS, SEQ, STRIDES, TIE, WORDS, config_dict,  # noqa: E402
-                     counting, make_model_dir, probes, reference, score, words)
+from rl_task import (LR, MODEL, NEW_TOKENS, TIE, config_dict,  # noqa: E402
+                     make_model_dir, probes, reference, score, train_steps, words)
 
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's log chatter
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -129,17 +129,7 @@ def main() -> int:
                 client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
             print(f"before training: score {score(engine_rollouts(url, model_dir, prompts)):.2f}", flush=True)
             for k in range(args.versions):
-                model.train()
-                loss = float("nan")
-                for _ in range(args.steps):
-                    starts = torch.randint(0, WORDS, (BATCH,), generator=g).tolist()
-                    strides = torch.randint(1, STRIDES + 1, (BATCH,), generator=g).tolist()
-                    batch = torch.tensor(counting(starts, strides, SEQ))
-                    out = model(input_ids=batch, labels=batch)
-                    opt.zero_grad()
-                    out.loss.backward()
-                    opt.step()
-                    loss = out.loss.item()
+                loss = train_steps(model, opt, g, args.steps)
                 model.eval()
                 t0 = time.monotonic()
                 trainer.send_weights()  # publish as a new version; the engine fetches it and swaps

@@ -95,6 +95,8 @@ def test_wheel_holds_every_module_entry_point_and_extra(dist):
     headers = [line.split(": ", 1) for line in metadata.split("\n\n", 1)[0].splitlines() if ": " in line]
     assert ["Name", DIST] in headers
     assert ["Version", project["version"]] in headers
+    assert ["License-Expression", "Apache-2.0"] in headers
+    assert f"{info}/licenses/LICENSE" in names, "the license text is not in the wheel"
     extras = {v for k, v in headers if k == "Provides-Extra"}
     assert extras == set(project["optional-dependencies"]), extras
     for extra in ("cpu", "vllm", "vllm-cpu", "sglang", "torch"):
@@ -111,7 +113,7 @@ def test_wheel_holds_every_module_entry_point_and_extra(dist):
     with tarfile.open(dist["sdist"]) as t:
         in_sdist = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert not _modules() - in_sdist
-    assert {"pyproject.toml", "README.md"} <= in_sdist
+    assert {"pyproject.toml", "README.md", "LICENSE"} <= in_sdist
 
 
 @pytest.fixture(scope="module")

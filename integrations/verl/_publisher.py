@@ -7,10 +7,13 @@ one version: readers read it in place, the trainer keeps no other copy. A snapsh
 is reused only after ``unpublish`` of the version it served returned (its readers
 drained); with ``keep=2`` rollouts can still read v while v+1 is published.
 
-Sharded trainers: today rank 0 receives the gathered tensors (``get_per_tensor_param``)
-and the other ranks only drain the generator. Publishing each rank's own slices in place
-(``num_shards`` = the trainer world size, ``shard`` = the rank; the topology already hands
-every rank the version) plugs in at :meth:`Publisher.publish`, once the Hub takes slices.
+Sharded trainers (FSDP2, no gather): when verl yields ``DTensor`` shards, *every* trainer
+rank runs :meth:`Publisher.publish_slices`: it copies its own local shard of each tensor
+into its snapshot and publishes it as a :class:`tensorhub.Slice` (full shape and offsets
+from the DTensor's placement) under the version the topology handed every rank. The
+coordinator completes the version once the slices of all ranks cover every tensor; a rank
+that never registers leaves it incomplete (readers wait, then time out; they never see a
+mix). Trainer memory: one shard-sized snapshot per kept version per rank.
 """
 
 from __future__ import annotations
@@ -98,6 +101,64 @@ class Publisher:
         return {"tensorhub/version": v, "tensorhub/bytes": nbytes, "tensorhub/snapshot_s": t1 - t0,
                 "tensorhub/publish_s": t2 - t1}
 
+    async def publish_slices(self, first: tuple, rest: Any, version: Optional[int], timeout: Optional[float],
+                             master: bool) -> dict:
+        """This rank's part of a sliced version: ``first`` then ``rest`` (``(name, DTensor)``;
+        a plain tensor is taken whole from the master only) copied into a snapshot of the
+        local shards and published in place as ``version`` (the number every rank got from
+        the topology). Returns verl metrics."""
+        import asyncio
+
+        import tensorhub
+
+        if version is None:
+            raise tensorhub.ConfigError(
+                "tensorhub: sliced weights (DTensor shards) need the step's version on every trainer rank; "
+                "verl's build_topology/init_process_group hands it over (was the topology skipped?)")
+        t0 = time.monotonic()
+        i = await asyncio.to_thread(self._slot, timeout)
+        seen: dict[str, None] = {}
+        slices: dict[str, Any] = {}
+        nbytes = 0
+        mesh_rank: Optional[tuple[int, int]] = None
+
+        async def items():
+            yield first
+            async for item in rest:
+                yield item
+
+        async for name, t in items():
+            if name in seen:
+                raise ValueError(f"tensorhub: the weights name {name!r} twice")
+            seen[name] = None
+            if _is_dtensor(t):
+                local, shape, offsets, r = _local_part(name, t)
+                if mesh_rank is not None and r != mesh_rank:
+                    raise ValueError(f"tensorhub: tensor {name!r} is on another device mesh than the others "
+                                     f"(rank {r[0]} of {r[1]} there, {mesh_rank[0]} of {mesh_rank[1]} before)")
+                mesh_rank = r
+            elif master:  # replicated on every rank: one rank publishes it whole
+                local, shape, offsets = t, tuple(t.shape), (0,) * t.dim()
+            else:
+                continue
+            nbytes += self.snapshot(i, name, local)
+            slices[name] = tensorhub.Slice(self._slots[i][name], shape, offsets)
+        slot = self._slots[i] or {}
+        for stale in set(slot) - set(slices):
+            del slot[stale]
+        if mesh_rank is None:
+            raise ValueError("tensorhub: send_weights got no DTensor on this rank")
+        t1 = time.monotonic()
+        v = await asyncio.to_thread(self.hub.publish, self.model, slices, version=version, shard=mesh_rank[0],
+                                    num_shards=mesh_rank[1])
+        self._serving[i] = v
+        t2 = time.monotonic()
+        logger.info("tensorhub: published %s v%d slices (rank %d of %d): %d tensors, %.1f MB (snapshot %.2fs, "
+                    "register %.2fs)", self.model, v, mesh_rank[0], mesh_rank[1], len(slices), nbytes / 1e6,
+                    t1 - t0, t2 - t1)
+        return {"tensorhub/version": v, "tensorhub/bytes": nbytes, "tensorhub/snapshot_s": t1 - t0,
+                "tensorhub/publish_s": t2 - t1, "tensorhub/sliced": 1}
+
     def serving(self) -> list[int]:
         return sorted(v for v in self._serving if v is not None)
 
@@ -110,3 +171,33 @@ async def _aiter(weights: Any):
     else:
         for item in weights:
             yield item
+
+
+def _is_dtensor(t: Any) -> bool:
+    cls = type(t)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def _local_part(name: str, dt: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[int, int]]:
+    """(local shard, full shape, offsets, (rank in the mesh, mesh size)) of a DTensor. Only
+    ``Shard`` placements: on a replicated dimension every replica would publish the same
+    slice (HSDP's replicate groups are not supported here)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for d, p in enumerate(dt.placements):
+        if not isinstance(p, Shard):
+            raise ValueError(f"tensorhub: tensor {name!r}: placement {p!r} on mesh dimension {d}: sliced publishing "
+                             "takes Shard placements only (FSDP2 fully_shard); gather or reduce it first")
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(f"tensorhub: tensor {name!r}: this rank is not in its device mesh")
+    rank = 0
+    for c, n in zip(coord, mesh.shape):
+        rank = rank * n + c
+    shape, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+    local = dt.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise ValueError(f"tensorhub: tensor {name!r}: local shard {list(local.shape)}, placement says {list(shape)}")
+    return local, tuple(dt.shape), tuple(int(o) for o in offsets), (rank, mesh.size())

@@ -85,6 +85,18 @@ class _Cache:
         self.spare: Optional[dict] = None  # an unpublished older copy, memory for the next fetch
 
 
+def _missing(info: Any) -> str:
+    """Why a version is not complete, for the timeout error: the trainer ranks whose slices
+    are not in (sliced publishing), else that nothing was published."""
+    sl = info.layouts.get("hf.slices")
+    if sl is None:
+        return "did the trainer publish it?"
+    done = sorted({r.shard for r in info.replicas if r.layout == "hf.slices"})
+    missing = [s for s in range(sl.num_shards) if s not in done]
+    return (f"published as slices: {len(done)} of {sl.num_shards} trainer ranks registered theirs, ranks "
+            f"{missing} did not (did a trainer rank fail mid-send?); no partial weights were handed over")
+
+
 class Receiver:
     """One rollout worker's reads (reader; a holder too when it prefetches)."""
 
@@ -116,7 +128,7 @@ class Receiver:
                 return
             if time.monotonic() >= deadline:
                 raise FetchError(f"tensorhub: {self.model!r} v{version} was not complete within {self.timeout:g}s "
-                                 "(did the trainer publish it?)")
+                                 f"({_missing(info)})")
             time.sleep(delay)
             delay = min(delay * 1.5, 0.25)
 

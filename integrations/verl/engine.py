@@ -13,8 +13,10 @@ Who calls what (verl's ``CheckpointEngineManager.update_weights``, every sync st
 * the driver: ``build_topology(...)`` (a classmethod) checks that all agree on the
   coordinator and model and hands every worker the version (no process group is built);
 * every worker: ``init_process_group(rank, version, role)``;
-* trainer ranks: ``send_weights(weights)``: the master snapshots and publishes the version
-  (:mod:`._publisher`), other ranks drain the generator (FSDP gathers on every rank);
+* trainer ranks: ``send_weights(weights)``: full tensors (gathered): the master snapshots
+  and publishes the version (:mod:`._publisher`), other ranks drain the generator (FSDP
+  gathers on every rank); ``DTensor`` shards (FSDP2, no gather): every rank snapshots its
+  own shards and publishes them as slices of the same version;
 * rollout workers, concurrently: ``receive_weights()`` yields ``(name, tensor)`` of that
   version, streamed in buckets of ``bucket_size`` or read from a prefetched copy
   (:mod:`._receiver`);
@@ -163,15 +165,28 @@ class TensorHubCheckpointEngine(CheckpointEngineWithCache):
 
     # ------------------------------------------------------------------ trainer
     async def send_weights(self, weights: Any, global_steps: Optional[int] = None) -> dict:
-        """Master: publish ``weights`` as this step's version (the number from ``prepare``;
-        a new one when the topology was skipped). Other ranks: drain the generator."""
-        if not self.is_master:
-            from ._publisher import _aiter
+        """Full tensors: the master publishes ``weights`` as this step's version (the number
+        from ``prepare``; a new one when the topology was skipped), other ranks drain the
+        generator. ``DTensor`` shards: every rank publishes its own slices of that version."""
+        from ._publisher import _aiter, _is_dtensor
 
-            async for _ in _aiter(weights):
+        items = _aiter(weights)
+        first = await anext(items, None)
+        if first is not None and _is_dtensor(first[1]):
+            metrics = await self.publisher.publish_slices(first, items, self.version, self.settings.timeout,
+                                                          self.is_master)
+        elif not self.is_master:
+            async for _ in items:
                 pass
             return {}
-        metrics = await self.publisher.publish(weights, self.version, self.settings.timeout)
+        else:
+            async def chained():
+                if first is not None:
+                    yield first
+                async for item in items:
+                    yield item
+
+            metrics = await self.publisher.publish(chained(), self.version, self.settings.timeout)
         if global_steps is not None:
             logger.info("tensorhub: step %s -> %s v%d", global_steps, self.settings.model, metrics["tensorhub/version"])
         return metrics

@@ -213,8 +213,13 @@ def _rollout(conn: Any, rank: int, engine_kwargs: dict, bucket_mb: int, how: str
     def cached() -> Optional[int]:
         return worker.checkpoint_engine.receiver.cache.version
 
+    def layouts(version: int) -> dict:
+        info = worker.checkpoint_engine.hub.version_info(worker.checkpoint_engine.settings.model, version)
+        return {k: (li.num_shards, li.complete) for k, li in info.layouts.items()}
+
     _serve(conn, {"engine": lambda m, *a, **k: worker.execute_checkpoint_engine(m, *a, **k),
-                  "update": update, "get_weights": get_weights, "generate": generate, "cached": cached})
+                  "update": update, "get_weights": get_weights, "generate": generate, "cached": cached,
+                  "layouts": layouts})
 
 
 class _VllmAdapter:
