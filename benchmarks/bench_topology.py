@@ -322,7 +322,7 @@ def _plot(path: Path, title: str, xlabel: str, xs: list, series: dict, bars: boo
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"(matplotlib not installed: no {path.name}; pip install 'tensorhub[bench]')")
+        print(f"(matplotlib not installed: no {path.name}; pip install 'tensorhub-ros[bench]')")
         return
     fig, axes = plt.subplots(1, len(series) if bars else 1, figsize=(5 * (len(series) if bars else 1), 3.6))
     if bars:

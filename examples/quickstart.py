@@ -43,7 +43,7 @@ def checksum(tensors: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def publisher(url: str, versions: int, mib: int, q) -> None:
+def publisher(url: str, versions: int, mib: int, q, done) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
     import tensorhub
 
@@ -61,10 +61,10 @@ def publisher(url: str, versions: int, mib: int, q) -> None:
                 q.put(("unpublished", old, time.monotonic() - t0))
             time.sleep(1.0)  # training time between versions
         q.put(("trainer-done", None, None))
-        time.sleep(3.0)  # stay a source while readers finish
+        done.wait(300)  # stay a source until every reader has its versions (a slow machine may take long)
 
 
-def reader(url: str, name: str, versions: int, delay: float, q) -> None:
+def reader(url: str, name: str, versions: int, delay: float, q, done) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
     import tensorhub
 
@@ -80,7 +80,7 @@ def reader(url: str, name: str, versions: int, delay: float, q) -> None:
             params = dict(out)
             q.put(("fetched", name, (v, checksum(out), out.nbytes, out.seconds, dict(out.sources))))
             seen = v
-        time.sleep(3.0)
+        done.wait(300)  # and serve our copies to the other reader until it is done too
 
 
 def main() -> int:
@@ -94,10 +94,11 @@ def main() -> int:
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    done = ctx.Event()  # set once every fetch was reported: then the workers may leave
     with tempfile.TemporaryDirectory() as state, EmbeddedCoordinator(state) as coord:
         print(f"coordinator (embedded) on {coord.url}")
-        procs = [ctx.Process(target=publisher, args=(coord.url, args.versions, args.mib, q))]
-        procs += [ctx.Process(target=reader, args=(coord.url, f"engine-{i}", args.versions, 0.4 * i, q))
+        procs = [ctx.Process(target=publisher, args=(coord.url, args.versions, args.mib, q, done))]
+        procs += [ctx.Process(target=reader, args=(coord.url, f"engine-{i}", args.versions, 0.4 * i, q, done))
                   for i in range(2)]
         for p in procs:
             p.start()
@@ -127,6 +128,7 @@ def main() -> int:
             print()
             print(format_status(coord.coordinator.state.status(time.time())))
         finally:
+            done.set()
             for p in procs:
                 p.join(30)
                 if p.is_alive():

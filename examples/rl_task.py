@@ -159,6 +159,24 @@ def reference(model, prompts: list) -> tuple[list, list, list]:
 
 # ---------------------------------------------------------------- trainer process
 
+def train_steps(model, opt, g, steps: int) -> float:
+    """``steps`` AdamW steps on random counting sequences; the last loss."""
+    import torch
+
+    model.train()
+    loss = float("nan")
+    for _ in range(steps):
+        starts = torch.randint(0, WORDS, (BATCH,), generator=g).tolist()
+        strides = torch.randint(1, STRIDES + 1, (BATCH,), generator=g).tolist()
+        batch = torch.tensor(counting(starts, strides, SEQ))
+        out = model(input_ids=batch, labels=batch)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        loss = out.loss.item()
+    return loss
+
+
 def trainer(url: str, versions: int, steps: int) -> None:
     """Train, publish each version, unpublish old ones once the engines moved on (see the
     module docstring for the protocol with the parent)."""
@@ -179,16 +197,7 @@ def trainer(url: str, versions: int, steps: int) -> None:
         loss = float("nan")
         for k in range(versions):
             if k > 0:
-                model.train()
-                for _ in range(steps):
-                    starts = torch.randint(0, WORDS, (BATCH,), generator=g).tolist()
-                    strides = torch.randint(1, STRIDES + 1, (BATCH,), generator=g).tolist()
-                    batch = torch.tensor(counting(starts, strides, SEQ))
-                    out = model(input_ids=batch, labels=batch)
-                    opt.zero_grad()
-                    out.loss.backward()
-                    opt.step()
-                    loss = out.loss.item()
+                loss = train_steps(model, opt, g, steps)
                 last = max(held)
                 line = sys.stdin.readline()  # wait until the engines run the last version
                 if line.strip() != f"swapped {last}":

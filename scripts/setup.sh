@@ -24,6 +24,12 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first, pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+# This project was installed as the distribution "tensorhub" before it took the free PyPI name
+# "tensorhub-ros": drop such an old editable install, or its entry points would load twice.
+if .venv/bin/pip show -q tensorhub >/dev/null 2>&1; then
+  .venv/bin/pip uninstall -q -y tensorhub
+fi
+# test: pytest ... and build + twine (tests/test_wheel.py builds and checks the wheel and sdist).
 # bench: matplotlib, for the plots (the demo's timeline PNG, bench_topology.py); etcd: the
 # client of the HA store (tests/test_ha.py, benchmarks/bench_failover.py).
 .venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,test,bench,etcd]'
@@ -48,6 +54,22 @@ sgl_deps=(psutil pybase64 pillow starlette msgspec pyzmq tqdm aiohttp huggingfac
           prompt_toolkit wcwidth pygments stack_data asttokens executing pure_eval traitlets)
 missing=()
 for p in "${sgl_deps[@]}"; do .venv/bin/pip show -q "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps "${missing[@]}"
+fi
+# verl backend (tests/verl): verl's wheel (and its extras) pin a CUDA torch and GPU trainer packages,
+# so on CPU it goes in without dependencies, plus what its checkpoint_engine, config, rollout and
+# single_controller modules import: ray (its own deps touch no torch), hydra/omegaconf, codetiming,
+# and tensordict without its deps (they name torch; 0.10.0 is the newest verl 0.9.1 accepts).
+if ! .venv/bin/pip show -q verl >/dev/null 2>&1; then
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps 'verl==0.9.1'
+fi
+.venv/bin/pip show -q ray >/dev/null 2>&1 || \
+  .venv/bin/pip install -q --disable-pip-version-check 'ray==2.60.0'
+verl_deps=('hydra-core==1.3.8' 'omegaconf==2.3.1' 'antlr4-python3-runtime==4.9.3' 'codetiming==1.4.0'
+           'importlib_metadata' 'tensordict==0.10.0' 'pyvers==0.1.0')
+missing=()
+for p in "${verl_deps[@]}"; do .venv/bin/pip show -q "${p%%==*}" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
   .venv/bin/pip install -q --disable-pip-version-check --no-deps "${missing[@]}"
 fi

@@ -35,6 +35,7 @@ from ._exceptions import (
 from ._metrics import FetchProgress, start_metrics_server
 from ._wire import Locality
 from .config import HubConfig
+from ._sliced import Slice
 from .hub import Fetched, Hub, connect
 
 __version__ = "0.1.0"
@@ -44,6 +45,7 @@ __all__ = [
     "Hub",
     "HubConfig",
     "Fetched",
+    "Slice",
     "FetchProgress",
     "Locality",
     "start_metrics_server",

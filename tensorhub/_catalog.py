@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from ._exceptions import ConflictError, ManifestMismatchError, NotFoundError
+from ._slices import check_register
 from ._wire import Manifest, RegisterReplica, first_difference
 
 __all__ = ["Catalog", "ModelInfo", "VersionInfo", "LayoutInfo", "Write", "ALLOCATIONS_KEPT"]
@@ -221,6 +222,11 @@ class Catalog:
         known = li.manifests.get(req.shard) if li is not None else None
         if check_partial is not None:
             check_partial(req, known)
+        if known is None and (req.manifest.slices is not None or (li is not None and any(
+                m.slices is not None for m in li.manifests.values()))):
+            # A sliced publish (``_slices``): agreeing, no overlap, and no gap once the last shard is in.
+            check_register(li.manifests if li is not None else {}, req.shard, req.manifest, req.num_shards,
+                           f"{req.model!r} v{req.version} layout {req.layout!r}")
         if li is None:
             li = vi.layouts[req.layout] = LayoutInfo(num_shards=req.num_shards)
             self._writes.append(("layout", (req.model, req.version, req.layout), req.num_shards))

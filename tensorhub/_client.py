@@ -47,7 +47,8 @@ __all__ = ["CoordinatorClient"]
 
 logger = logging.getLogger(__name__)
 
-_BY_CODE = {"manifest_mismatch": ManifestMismatchError, "retention": RetentionError}
+_BY_CODE = {"manifest_mismatch": ManifestMismatchError, "slice_overlap": ManifestMismatchError,
+            "slice_gap": ManifestMismatchError, "retention": RetentionError}
 _BY_STATUS = {401: UnauthorizedError, 404: NotFoundError, 409: ConflictError,
               400: InvalidRequestError, 411: InvalidRequestError, 413: InvalidRequestError,
               422: InvalidRequestError}

@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -112,6 +114,26 @@ def _raw(t: Any) -> np.ndarray:
     import torch
 
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def threads() -> int:
+    """Threads of the encode and apply passes: this process's cores, at most 8."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def each(fn: Callable[[Any], Any], items: list) -> list:
+    """``fn`` over ``items`` (tensors) on up to :func:`threads` threads, results in order;
+    the first exception is raised. zlib and numpy's array passes release the GIL, so the
+    encode and apply passes use several cores (``zlib.compress`` was most of an encode)."""
+    n = min(len(items), threads())
+    if n <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(n, thread_name_prefix="tensorhub-delta") as ex:
+        return list(ex.map(fn, items))
 
 
 def _sums(tensors: list[Any], algo: str = CHECKSUM_ALGO) -> list[int]:
@@ -195,9 +217,13 @@ def encode_tensors(tensors: Mapping[str, Any], base: BaseCopy, *, model: str, ve
     new = [tensors[n].detach().contiguous().cpu() for n in names]
     olds = [base.tensors[n] for n in names]
     base_sums = base.sums if names == list(base.tensors) else _sums(olds)
+
+    def encode(pair: tuple[Any, Any]) -> _delta.Encoded:
+        t, b = pair
+        return _delta.encode(_raw(b.cpu()), _raw(t), t.element_size())
+
     blobs: list[bytes] = []
-    for n, t, b in zip(names, new, olds):
-        e = _delta.encode(_raw(b.cpu()), _raw(t), t.element_size())
+    for t, e in zip(new, each(encode, list(zip(new, olds)))):
         blobs.append(e.blob)
         stats.changed += e.changed
         stats.elements += e.elements
@@ -279,31 +305,42 @@ def plan(full: int, direct: Optional[Step], chain: Optional[list[Step]]) -> Opti
     return best if sum(s.nbytes for s in best) <= MAX_FRACTION * full else None
 
 
-def _step(session: Session, model: str, base: int, version: int, layout: str, shard: int) -> Optional[Step]:
+def _step(session: Session, model: str, base: int, version: int, layout: str, shard: int,
+          ) -> tuple[Optional[Step], str]:
+    """The delta v``base`` -> v``version`` as the coordinator knows it, or None and why not
+    (the coordinator's own words: no such layout, or the version was retired)."""
     try:
         m = session.manifest(model, version, delta_layout(base, layout), shard)
-    except CoordinatorError:
-        return None
-    return Step(base, version, m.nbytes)
+    except CoordinatorError as e:
+        return None, e.message
+    return Step(base, version, m.nbytes), ""
 
 
 def _routes(session: Session, model: str, base: int, version: int, layout: str, shard: int, full: int,
             ) -> tuple[Optional[list[Step]], str]:
-    direct = _step(session, model, base, version, layout, shard)
+    """The cheapest delta route from v``base`` (:func:`plan`), or None and the reason the
+    reader reads the full version: no direct delta and the chain breaks at a named version
+    (not published with a delta, or retired by the coordinator's retention), or the full
+    version moves fewer bytes."""
+    direct, why_direct = _step(session, model, base, version, layout, shard)
     chain: Optional[list[Step]] = []
+    why_chain = ""
     if version - base > 1 and version - base <= MAX_CHAIN:
         for v in range(base + 1, version + 1):
-            s = _step(session, model, v - 1, v, layout, shard)
+            s, why = _step(session, model, v - 1, v, layout, shard)
             if s is None:
                 chain = None
+                why_chain = f"the chain v{base}->...->v{version} breaks at v{v - 1}->v{v}: {why}"
                 break
             chain.append(s)
     else:
         chain = None
+        if version - base > MAX_CHAIN:
+            why_chain = f"a chain of {version - base} deltas is longer than {MAX_CHAIN}"
     steps = plan(full, direct, chain)
     if steps is None:
         if direct is None and chain is None:
-            return None, f"no delta from v{base} (direct, or a chain of consecutive versions)"
+            return None, "; ".join(filter(None, [f"no direct delta v{base}->v{version}: {why_direct}", why_chain]))
         return None, "the full version moves fewer bytes"
     return steps, ""
 
@@ -378,45 +415,47 @@ def check_fetch_base(base: Any, version: int, into: Optional[Mapping[str, Any]],
 
 def fetch_through_delta(session: Session, holdings: Holdings, opts: FetchOptions, model: str, version: int,
                         layout: str, shard: int, *, into: Optional[Mapping[str, Any]], base: Optional[int],
-                        serve: bool, deadline: float, track: Track, pipelined: bool) -> Optional[Fetched]:
-    """``Hub.fetch`` through deltas when a base is at hand and deltas move fewer bytes; None
-    when the caller must read the full version (nothing to start from: silent; a delta
-    problem: one warning, counted). See the module docstring."""
+                        serve: bool, deadline: float, track: Track, pipelined: bool,
+                        ) -> tuple[Optional[Fetched], Optional[str]]:
+    """``Hub.fetch`` through deltas when a base is at hand and deltas move fewer bytes.
+    Returns ``(fetched, None)`` through deltas; ``(None, why)`` when the caller must read
+    the full version though it had a base (a delta problem: one warning, counted; no
+    route: logged); ``(None, None)`` when there was nothing to start from (silent). The
+    Hub hands ``why`` to the caller as ``Fetched.delta_skipped``. See the module docstring."""
     if layout.startswith("delta:"):
-        return None
+        return None, None
     src: Optional[Held] = None
     if base is None:
         older = [h for h in holdings.all() if h.model == model and h.layout == layout and h.shard == shard
                  and h.version < version]
         if not older:
-            return None
+            return None, None
         src = max(older, key=lambda h: h.version)
         b = src.version
     else:
         check_fetch_base(base, version, into, None)
         b = base
-    if src is not None and any(t.device.type != "cpu" for t in src.tensors.values()):
-        return None
-    if into is not None and any(getattr(t, "device", None) is not None and t.device.type != "cpu"
-                                for t in into.values()):
-        return None
     try:
         manifest = session.manifest(model, version, layout, shard)
-    except CoordinatorError:
-        return None  # the full fetch says what is wrong
+    except CoordinatorError as e:
+        return None, e.message  # the full fetch says what is wrong
     steps, why = _routes(session, model, b, version, layout, shard, manifest.nbytes)
+    if steps is not None and ((src is not None and any(t.device.type != "cpu" for t in src.tensors.values())) or (
+            into is not None and any(getattr(t, "device", None) is not None and t.device.type != "cpu"
+                                     for t in into.values()))):
+        steps, why = None, f"base v{b} is not in host memory (deltas are applied on the CPU)"
     if steps is None:
         logger.info("%s v%d: reading the full version (%.1f MB) though this reader holds v%d: %s", model,
                     version, manifest.nbytes / 1e6, b, why)
-        return None
+        return None, why
     try:
         return _run(session, holdings, opts, model, version, layout, shard, manifest, steps, src, into, serve,
-                    deadline, track, pipelined)
+                    deadline, track, pipelined), None
     except Exception as e:  # any delta problem: the full read stands behind it
         _count(model, "fallback")
         logger.warning("%s v%d: delta from v%d not used, reading the full version instead: %s", model, version,
                        b, e, exc_info=not isinstance(e, TensorHubError))
-        return None
+        return None, f"delta from v{b} not used: {e}"
 
 
 def _run(session: Session, holdings: Holdings, opts: FetchOptions, model: str, version: int, layout: str,
@@ -457,14 +496,15 @@ def _run(session: Session, holdings: Holdings, opts: FetchOptions, model: str, v
                 specs = {(t.name, t.dtype, tuple(t.shape)) for t in src.manifest.tensors}
                 if specs != {(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors}:
                     raise DeltaError(f"base v{src.version}'s tensors differ from v{version}'s")
+                # One memcpy per tensor: torch's threaded copy_ stalled up to 0.6 s on a busy 2-core host.
                 for spec, d in zip(manifest.tensors, dst):
-                    d.copy_(src.tensors[spec.name])
+                    np.copyto(_raw(d), _raw(src.tensors[spec.name]))
             _verify(dst, h["checksum"], h["base_checksums"],
                     f"this reader's copy of base v{step.base} against the delta's record of it")
             first = False
         try:
-            for spec, d in zip(manifest.tensors, dst):
-                _delta.apply(_raw(d), _raw(got[spec.name]))
+            blobs = [got[spec.name] for spec in manifest.tensors]
+            each(lambda pair: _delta.apply(_raw(pair[0]), _raw(pair[1])), list(zip(dst, blobs)))
             _verify(dst, h["checksum"], h["checksums"], f"v{step.version} rebuilt from v{step.base} by its delta")
             apply_seconds += time.perf_counter() - t1
         except DeltaError:

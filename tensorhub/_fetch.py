@@ -65,7 +65,8 @@ class Fetched(dict):
     """What ``fetch`` returns: ``name -> tensor``, plus where the bytes came from.
 
     Attributes: ``version``, ``layout``, ``shard``, ``nbytes``, ``seconds``, ``gbps``
-    (GB/s), ``sources`` (worker id -> bytes read from it), ``failed_sources``.
+    (GB/s), ``sources`` (worker id -> bytes read from it), ``failed_sources``, ``delta``
+    and ``delta_skipped`` (delta versions).
     """
 
     version: int
@@ -77,6 +78,9 @@ class Fetched(dict):
     failed_sources: list[str]
     #: How the bytes came through deltas (``_delta_path.DeltaRead``), or None: a full read.
     delta: Any = None
+    #: Why a reader that had a base (an older version it serves, or ``fetch(base=)``) read
+    #: the full version instead of deltas, in words; None otherwise.
+    delta_skipped: Optional[str] = None
 
     @property
     def gbps(self) -> float:

@@ -70,6 +70,7 @@ from ._planner import (
     reserve_chunks, start_fraction, start_reverse,
 )
 from ._registry import Lease, Registry, Replica, ShardKey, Worker
+from ._slices import SLICED
 from ._views import FETCH_STALE, metrics_view, record_fetch, status_view
 from ._wire import (
     AcquireLease,
@@ -519,6 +520,7 @@ class CoordinatorState:
             hit = self.lease_requests.get((req.worker_id, req.request_id))
             if hit is not None and hit[0] in self.leases and self.leases[hit[0]].expires >= now:
                 return hit[1]
+        self._check_sliced(now, req)
         li = self.catalog.layout(req.model, req.version, req.layout, req.shard)
         excluded = set(req.exclude)
         key = ShardKey(req.model, req.version, req.layout, req.shard)
@@ -651,6 +653,25 @@ class CoordinatorState:
             return rid, ""
         except (ConflictError, NotFoundError, InvalidRequestError) as e:
             return None, e.message
+
+    def _check_sliced(self, now: float, req: AcquireLease) -> None:
+        """A reader of ``hf`` whose version was published sliced (``_slices``) and that no
+        assembled ``hf`` replica serves now is told to read the slices (``read_slices``):
+        it assembles the full tensors from the ranks' shards itself."""
+        if req.layout != "hf" or req.shard != 0:
+            return
+        vi = self.catalog.version(req.model, req.version)
+        sliced = vi.layouts.get(SLICED)
+        if sliced is None or not sliced.complete:
+            return
+        if "hf" in vi.layouts:
+            for r in self.registry.replicas_of_shard(ShardKey(req.model, req.version, "hf", 0)):
+                if not r.draining and r.suspect_until <= now and r.worker_id != req.worker_id \
+                        and r.worker_id in self.workers and r.replica_id not in req.exclude:
+                    return  # an assembled copy serves: read it like any hf replica
+        raise ConflictError(f"{req.model!r} v{req.version} was published as slices ({sliced.num_shards} "
+                            f"shards of layout {SLICED!r}); read them and assemble the full tensors",
+                            "read_slices")
 
     def _check_gone(self, now: float, key: ShardKey, reader: str) -> None:
         """Raise ``version_gone`` when nobody serves the shard and nobody can again

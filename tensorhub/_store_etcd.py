@@ -107,7 +107,7 @@ class EtcdEndpoints:
         try:
             from etcd3gw.client import Etcd3Client
         except ImportError:
-            raise ConfigError("the etcd store needs etcd3gw: pip install 'tensorhub[etcd]'") from None
+            raise ConfigError("the etcd store needs etcd3gw: pip install 'tensorhub-ros[etcd]'") from None
 
         self.url = url
         self._clients = [

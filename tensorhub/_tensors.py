@@ -34,9 +34,11 @@ def _torch_dtype(name: str) -> "torch.dtype":
     return getattr(torch, name)
 
 
-def manifest_of(tensors: Mapping[str, Any], checksum: str = "off") -> tuple[Manifest, list[int]]:
+def manifest_of(tensors: Mapping[str, Any], checksum: str = "off", *, shapes_only: bool = False
+                ) -> tuple[Manifest, list[int]]:
     """The manifest of ``tensors`` (in their order) and each tensor's address; with the
     per-chunk checksums ``checksum`` (a ``_checksum.MODES`` setting) calls for.
+    ``shapes_only``: only names, dtypes and shapes are read (``meta`` tensors will do).
 
     Refuses non-tensors, non-contiguous tensors and unsupported dtypes, naming the tensor."""
     import torch
@@ -51,11 +53,11 @@ def manifest_of(tensors: Mapping[str, Any], checksum: str = "off") -> tuple[Mani
             raise ConfigError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
         if not t.is_contiguous():
             raise ConfigError(f"tensor {name!r} is not contiguous; publish t.contiguous() instead")
-        if t.device.type not in ("cpu", "cuda"):
+        if not shapes_only and t.device.type not in ("cpu", "cuda"):
             raise ConfigError(f"tensor {name!r} is on {t.device}; only cpu and cuda memory can be served")
         specs.append(TensorSpec(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
                                 nbytes=t.numel() * t.element_size()))
-        addrs.append(t.data_ptr())
+        addrs.append(0 if shapes_only else t.data_ptr())
     try:
         manifest = Manifest(tensors=specs)
     except ValueError as e:
@@ -110,10 +112,11 @@ def _empty_bytes(nbytes: int, device: str) -> Any:
 
 
 def empty_like(tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """New CPU tensors with the names, dtypes and shapes of ``tensors``, in one buffer the
-    Hub allocates (same-host readers copy from it at memory speed once it is published).
-    Refuses what ``publish`` would refuse (non-contiguous, unsupported dtype)."""
-    manifest, _ = manifest_of(tensors)
+    """New CPU tensors with the names, dtypes and shapes of ``tensors`` (``meta`` tensors
+    will do), in one buffer the Hub allocates (same-host readers copy from it at memory
+    speed once it is published). Refuses what ``publish`` would refuse (non-contiguous,
+    unsupported dtype)."""
+    manifest, _ = manifest_of(tensors, shapes_only=True)
     return allocate_like(manifest, device="cpu")[1]
 
 

@@ -10,7 +10,7 @@ import math
 import re
 from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 API_VERSION = "v1"
 
@@ -99,17 +99,30 @@ class TensorSpec(_Model):
         return self
 
 
+class SliceSpec(_Model):
+    """Where a sliced shard's tensor sits in the full tensor (``tensorhub._slices``): the
+    full tensor's ``shape`` and this slice's ``offsets`` in it (one per dimension; the
+    slice's own shape is its :class:`TensorSpec`'s)."""
+
+    shape: tuple[Annotated[int, Field(ge=0, le=MAX_TENSOR_BYTES)], ...] = Field(max_length=MAX_DIMS)
+    offsets: tuple[Annotated[int, Field(ge=0, le=MAX_TENSOR_BYTES)], ...] = Field(max_length=MAX_DIMS)
+
+
 class Manifest(_Model):
     """The ordered tensors of one (model, version, layout, shard), and optionally one
     checksum per chunk of the shard's grid (``_checksum``: the publisher computes them,
     readers verify each chunk before accepting it). Manifests without checksums (older
-    clients, CUDA tensors by default) stay valid."""
+    clients, CUDA tensors by default) stay valid.
+
+    ``slices`` (a trainer rank's shard of a sliced publish, ``tensorhub._slices``): for each
+    tensor, where it sits in the full tensor of that name; None for full tensors."""
 
     tensors: list[TensorSpec] = Field(max_length=MAX_TENSORS)
     #: The checksum algorithm (``_checksum.ALGORITHMS``, e.g. ``xxh3_64``); set with ``checksums``.
     checksum: Optional[Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")]] = None
     #: One unsigned 64-bit hash per chunk of ``_checksum.grid`` (in chunk order).
     checksums: Optional[list[Annotated[int, Field(ge=0, lt=1 << 64)]]] = Field(default=None, max_length=MAX_CHUNKS)
+    slices: Optional[list[SliceSpec]] = Field(default=None, max_length=MAX_TENSORS)
 
     @model_validator(mode="after")
     def _unique_names(self) -> "Manifest":
@@ -129,7 +142,30 @@ class Manifest(_Model):
             if len(self.checksums) != want:
                 raise ValueError(f"{len(self.checksums)} checksums for a shard of {want} chunks "
                                  "(one per chunk of its grid)")
+        if self.slices is not None:
+            if len(self.slices) != len(self.tensors):
+                raise ValueError(f"{len(self.slices)} slices for {len(self.tensors)} tensors (one per tensor)")
+            for t, sl in zip(self.tensors, self.slices):
+                if not (len(sl.shape) == len(sl.offsets) == len(t.shape)):
+                    raise ValueError(f"tensor {t.name!r}: a slice of shape {list(t.shape)} needs the full shape "
+                                     f"and offsets in {len(t.shape)} dimensions, got shape {list(sl.shape)} "
+                                     f"and offsets {list(sl.offsets)}")
+                if not t.shape:
+                    raise ValueError(f"tensor {t.name!r}: a 0-dimensional tensor cannot be sliced")
+                for d, (n, off, full) in enumerate(zip(t.shape, sl.offsets, sl.shape)):
+                    if off + n > full:
+                        raise ValueError(f"tensor {t.name!r}: slice [{off}, {off + n}) of dimension {d} is "
+                                         f"outside the full tensor's {full}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_no_slices(self, handler):  # type: ignore[no-untyped-def]
+        """A manifest of full tensors is written without ``slices``: clients and
+        coordinators that predate sliced publishing (``extra="forbid"``) read it as before."""
+        d = handler(self)
+        if isinstance(d, dict) and d.get("slices", 0) is None:
+            del d["slices"]
+        return d
 
     @property
     def nbytes(self) -> int:
@@ -153,6 +189,12 @@ def first_difference(a: Manifest, b: Manifest) -> Optional[str]:
             xv, yv = getattr(x, field), getattr(y, field)
             if xv != yv:
                 return f"tensor #{i} {x.name!r}: {field} {_fmt(yv)} != registered {_fmt(xv)}"
+    if (a.slices or None) != (b.slices or None):
+        for i, t in enumerate(a.tensors):
+            x = a.slices[i] if a.slices else None
+            y = b.slices[i] if b.slices else None
+            if x != y:
+                return f"tensor #{i} {t.name!r}: slice {_slice(y)} != registered {_slice(x)}"
     # Checksums compare only when both sides have them with the same algorithm: a manifest
     # without them (an older client, a CUDA holder) or hashed otherwise is not a mismatch.
     if a.checksums is not None and b.checksums is not None and a.checksum == b.checksum:
@@ -160,6 +202,10 @@ def first_difference(a: Manifest, b: Manifest) -> Optional[str]:
             if x != y:
                 return f"chunk {c}: {a.checksum} checksum {y:#x} != registered {x:#x} (different bytes)"
     return None
+
+
+def _slice(s: Optional[SliceSpec]) -> str:
+    return "none (a full tensor)" if s is None else f"at {list(s.offsets)} of {list(s.shape)}"
 
 
 def _fmt(v: object) -> str:

@@ -3,8 +3,11 @@
 Engine-neutral: the loop here connects to the coordinator, waits for each newer complete
 version, has the engine's *driver* swap to it, prints one line per swap (the version, the
 stall, the bytes and the holders; a progress line on a terminal while a swap runs longer
-than a second) and keeps going after a failed swap. With ``--engine-worker`` it first waits
-until the engine's ``prefetch`` holds the version, so the pause covers only the apply. Drivers register under the entry-point
+than a second) and keeps going after a failed swap. Before each swap it waits until the
+engine's ``prefetch`` holds the version, so the pause covers only the apply: the engine's
+workers are the ones ``--engine-worker`` names, else the ones the engine names itself (the
+driver's ``workers`` query, asked once at start; vLLM answers through its dev route
+``/collective_rpc``). Drivers register under the entry-point
 group ``tensorhub.engines`` (this package's ``pyproject.toml`` registers ``vllm`` and
 ``sglang`` from ``integrations``); ``tensorhub`` itself imports no engine adapter. A driver
 is picked by the ``--engine`` URL's prefix (``sglang+http://...``); the one with no prefix
@@ -21,8 +24,8 @@ from typing import Any, Callable, Optional, Sequence, TextIO
 
 from .config import HubConfig
 
-__all__ = ["Driver", "ProgressLine", "drivers", "engine_holds", "follow", "main", "parser", "pick", "progress_text",
-           "wait_prefetched"]
+__all__ = ["Driver", "EngineWorker", "ProgressLine", "drivers", "engine_holds", "follow", "main", "parser", "pick", "progress_text",
+           "prefetching_workers", "wait_prefetched"]
 
 #: Entry-point group of engine drivers (each a :class:`Driver`).
 GROUP = "tensorhub.engines"
@@ -63,7 +66,8 @@ class Driver:
     ``banner(client, args)`` -> (the engine's current version or None, the first line to
     print); ``swap(client, version, args, show)`` -> the stall in seconds (``show(stall)``
     draws the progress line; raise ``RuntimeError`` for a failed swap the engine survived).
-    ``client`` is an ``httpx.Client`` on the engine's base URL."""
+    ``workers(client)`` (optional) -> what the engine says of its TensorHub workers, one
+    :class:`EngineWorker` (or its JSON object) per worker. ``client`` is an ``httpx.Client`` on the engine's base URL."""
 
     name: str
     prefix: str  # of the --engine URL that selects it ("" for the default)
@@ -72,9 +76,34 @@ class Driver:
     doc: str
     banner: Callable[[Any, argparse.Namespace], tuple[Optional[int], str]]
     swap: Callable[[Any, int, argparse.Namespace, Callable[[float], None]], float]
+    workers: Optional[Callable[[Any], list]] = None
 
     def base_url(self, engine: str) -> str:
         return engine.removeprefix(self.prefix).rstrip("/")
+
+
+@dataclass(frozen=True)
+class EngineWorker:
+    """One engine worker's TensorHub identity, as the engine answers the driver's ``workers``
+    query (vLLM: ``/collective_rpc`` ``weight_transfer_engine``, one JSON object per worker)."""
+
+    worker_id: Optional[str]
+    model: Optional[str] = None
+    version: Optional[int] = None  # the version its parameters hold
+    serving: bool = False  # it serves its hf copy (so the coordinator lists what it holds)
+    prefetch: bool = False  # it fetches each new version before the swap
+
+    @classmethod
+    def parse(cls, answer: Any) -> "EngineWorker":
+        """From one worker's JSON answer; anything else is a ``ValueError`` naming it."""
+        if isinstance(answer, EngineWorker):
+            return answer
+        if not isinstance(answer, dict):
+            raise ValueError(f"not an engine worker's identity: {answer!r:.200}")
+        v = answer.get("version")
+        return cls(answer.get("worker_id") or None, answer.get("model"),
+                   v if isinstance(v, int) and not isinstance(v, bool) else None,
+                   answer.get("serving") is True, answer.get("prefetch") is True)
 
 
 def drivers() -> dict[str, Any]:
@@ -146,7 +175,8 @@ def parser(engine_help: str, modes: Sequence[str], doc: str) -> argparse.Argumen
     p.add_argument("--engine-worker", default=None,
                    help="the engine's TensorHub worker id (its `worker_id` setting; rank suffixes such as "
                         "-tp1 match too): each swap first waits until that engine holds the new version "
-                        "(its `prefetch`), so the engine pauses only to apply a local copy")
+                        "(its `prefetch`), so the engine pauses only to apply a local copy. Default: the "
+                        "workers the engine names itself (vLLM: through /collective_rpc, dev mode)")
     p.add_argument("--prefetch-wait", type=float, default=300.0,
                    help="most seconds a swap waits for the engine's prefetch (then it swaps anyway)")
     return p
@@ -166,13 +196,16 @@ def engine_holds(status: dict, model: str, version: int, worker: str) -> bool:
     return False
 
 
-def wait_prefetched(hub: Any, model: str, version: int, worker: str, timeout: float,
+def wait_prefetched(hub: Any, model: str, version: int, worker: "str | Sequence[str]", timeout: float,
                     interval: float = 0.2) -> bool:
-    """Wait (up to ``timeout`` s) until the engine's prefetch holds ``version``; True if it does."""
+    """Wait (up to ``timeout`` s) until the engine's prefetch holds ``version`` (every one of
+    ``worker``, when several are named); True if it does."""
+    workers = [worker] if isinstance(worker, str) else list(worker)
     end = time.monotonic() + timeout
     while True:
         try:
-            if engine_holds(hub.api.status(retry_timeout=1.0), model, version, worker):
+            status = hub.api.status(retry_timeout=1.0)
+            if all(engine_holds(status, model, version, w) for w in workers):
                 return True
         except Exception:  # coordinator away a moment: keep waiting until the deadline
             pass
@@ -181,11 +214,49 @@ def wait_prefetched(hub: Any, model: str, version: int, worker: str, timeout: fl
         time.sleep(interval)
 
 
+def prefetching_workers(model: str, infos: Sequence[Any]) -> tuple[list[str], str]:
+    """From what the engine says of its workers (:class:`EngineWorker` or its JSON), the ones
+    whose prefetch a swap to ``model`` waits for (those that prefetch it and serve their
+    copy, so the coordinator sees them hold it), and a line saying so."""
+    ws = [EngineWorker.parse(i) for i in infos]
+    on = sorted({w.worker_id for w in ws if w.worker_id and w.prefetch and w.serving and w.model == model})
+    if on:
+        return on, f"engine worker(s) {', '.join(on)} prefetch {model}: each swap waits until they hold it"
+    known = sorted({f"{w.worker_id} ({w.model}, prefetch {'on' if w.prefetch else 'off'})"
+                    for w in ws if w.worker_id})
+    return [], (f"the engine does not prefetch {model} ({', '.join(known) or 'no TensorHub worker yet'}): "
+                "each swap fetches while the engine is paused")
+
+
+def _engine_workers(args: argparse.Namespace, client: Any,
+                    workers: Optional[Callable[[Any], list]]) -> tuple[list[str], Optional[int]]:
+    """Whose prefetch each swap waits for: ``--engine-worker`` when given, else the workers
+    the engine names itself (``workers(client)``), else none (said on stderr); and the
+    version those workers run (an engine reports none before its first swap)."""
+    if getattr(args, "engine_worker", None):
+        return [args.engine_worker], None
+    if workers is None:
+        return [], None
+    try:
+        infos = [EngineWorker.parse(i) for i in workers(client)]
+    except Exception as e:  # an older engine, dev mode off: follow still works, the pause covers the fetch
+        print(f"tensorhub follow: could not ask the engine for its TensorHub workers ({e}); swaps do not "
+              f"wait for a prefetch (--engine-worker ID names the engine's worker)", file=sys.stderr, flush=True)
+        return [], None
+    ids, line = prefetching_workers(args.model, infos)
+    print(line, file=sys.stderr, flush=True)
+    runs = [w.version for w in infos if w.model == args.model]
+    return ids, (min(runs) if runs and all(v is not None for v in runs) else None)
+
+
 def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tuple[Optional[int], str]],
-           do_swap: Callable[[Any, int, Callable[[float], None]], float]) -> int:
+           do_swap: Callable[[Any, int, Callable[[float], None]], float],
+           workers: Optional[Callable[[Any], list]] = None) -> int:
     """The loop: connect, then for each newer complete version ``do_swap(client, version,
     show)``, print one line per swap, and keep going after a failed one. ``banner(client)``
-    returns the engine's version and the first line to print."""
+    returns the engine's version and the first line to print; ``workers(client)`` what the
+    engine says of its TensorHub workers (see :func:`prefetching_workers`; not asked when
+    ``--engine-worker`` names one)."""
     import httpx
 
     import tensorhub
@@ -200,6 +271,10 @@ def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tupl
     with hub, httpx.Client(base_url=base_url, timeout=600) as client:
         current, first = banner(client)
         print(first, flush=True)
+        prefetchers, runs = _engine_workers(args, client, workers)
+        if current is None and runs is not None:  # no swap yet: the engine reports no version, its workers do
+            current = runs
+            print(f"the engine's TensorHub workers run {args.model} v{runs}", file=sys.stderr, flush=True)
         while not args.max_swaps or swaps < args.max_swaps:
             try:
                 v = hub.wait_for_version(args.model, newer_than=current, timeout=60)
@@ -212,10 +287,14 @@ def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tupl
             def show(stall: float, v: int = v) -> None:
                 line.draw(progress_text(hub.api.status(retry_timeout=1.0), args.model, v, stall))
 
-            worker = getattr(args, "engine_worker", None)
-            if worker and not wait_prefetched(hub, args.model, v, worker, args.prefetch_wait):
-                print(f"v{v}: engine worker {worker} did not hold it within {args.prefetch_wait:.0f}s "
-                      f"(prefetch off?); swapping anyway", file=sys.stderr, flush=True)
+            waited = ""
+            if prefetchers:
+                t_wait = time.monotonic()
+                if wait_prefetched(hub, args.model, v, prefetchers, args.prefetch_wait):
+                    waited = f"; the engine had prefetched it (waited {time.monotonic() - t_wait:.2f}s)"
+                else:
+                    print(f"v{v}: engine worker {', '.join(prefetchers)} did not hold it within "
+                          f"{args.prefetch_wait:.0f}s (prefetch off?); swapping anyway", file=sys.stderr, flush=True)
             try:
                 stall = do_swap(client, v, show)
             except RuntimeError as e:
@@ -226,7 +305,7 @@ def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tupl
             line.done()
             swaps += 1
             current = v
-            print(f"v{v}: stall {stall:.3f}s, {nbytes / 1e6:.1f} MB from holders {', '.join(holders)}",
+            print(f"v{v}: stall {stall:.3f}s, {nbytes / 1e6:.1f} MB from holders {', '.join(holders)}{waited}",
                   flush=True)
     return 0
 
@@ -235,7 +314,7 @@ def run(driver: Driver, argv: Optional[Sequence[str]] = None) -> int:
     """Follow with ``driver`` (parses ``argv``)."""
     args = parser(driver.engine_help, driver.modes, driver.doc).parse_args(argv)
     return follow(args, driver.base_url(args.engine), lambda client: driver.banner(client, args),
-                  lambda client, v, show: driver.swap(client, v, args, show))
+                  lambda client, v, show: driver.swap(client, v, args, show), workers=driver.workers)
 
 
 def main(argv: Sequence[str]) -> int:

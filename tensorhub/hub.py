@@ -30,9 +30,11 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from . import _delta_path, _holder, _tensors
+from . import _delta_path, _holder, _sliced, _tensors
 from ._client import CoordinatorClient
-from ._exceptions import ConfigError, HubClosedError, NotFoundError, HubTimeoutError, TensorHubError
+from ._exceptions import (
+    ConfigError, ConflictError, FetchError, HubClosedError, NotFoundError, HubTimeoutError, TensorHubError,
+)
 from ._fencing import LeaseClock, Quarantine
 from ._retry import jittered
 from ._fetch import RELEASE_GRACE as _RELEASE_GRACE, Fetch, FetchOptions, Fetched, acquire_lease, copy_held
@@ -153,25 +155,46 @@ class Hub:
 
     # ------------------------------------------------------------------ holder
     def empty_like(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
-        """New CPU tensors shaped like ``tensors`` (names, dtypes, shapes) in memory the Hub
-        allocates: copy a snapshot into them and ``publish`` them, and readers on this host
-        copy from them at memory speed (``transport/_shm``); other readers are unaffected."""
+        """New CPU tensors shaped like ``tensors`` (names, dtypes, shapes; ``meta`` tensors
+        will do) in memory the Hub allocates: copy a snapshot into them and ``publish`` them,
+        and readers on this host copy from them at memory speed (``transport/_shm``); other readers are unaffected."""
         return _tensors.empty_like(tensors)
 
     def publish(self, model: str, tensors: Mapping[str, Any], *, version: Optional[int] = None,
-                layout: str = "hf", shard: int = 0, num_shards: int = 1, base: Optional[int] = None,
-                base_tensors: Optional[Mapping[str, Any]] = None) -> int:
+                layout: str = "hf", shard: Optional[int] = None, num_shards: Optional[int] = None,
+                base: Optional[int] = None, base_tensors: Optional[Mapping[str, Any]] = None,
+                key: Optional[str] = None) -> int:
         """Register ``tensors`` in place as ``model``'s version (new when ``version`` is None).
 
         No copy: the tensors must stay unchanged until ``unpublish`` returns. With several
         shards, one rank publishes with ``version=None`` and passes the number it got to the
-        others (``version=v``). The version is complete once every shard has a replica.
+        others (``version=v``), or every rank passes the same ``key`` (e.g. ``"step-17"``,
+        unique per publish) and gets the same number. The version is complete once every
+        shard has a replica.
+
+        Sliced trainers (``tensorhub._sliced``): values that are FSDP2 ``DTensor`` shards or
+        :class:`~tensorhub.Slice` objects (a slice with its full shape and offsets) are this
+        rank's parts of full tensors, registered in place without a gather; ``shard`` and
+        ``num_shards`` (this rank, the ranks publishing) default to the DTensors' mesh. The
+        version is complete once the slices of all ranks cover every tensor exactly (checked
+        by the coordinator); readers of ``hf`` get the full tensors.
 
         ``base=b``: also publish the version's delta against v``b`` (layout ``delta:<b>``,
         ``tensorhub._delta_path``), which readers holding v``b`` fetch instead of the full
         bytes. The base is this process's replica of v``b``, or ``base_tensors`` (exactly
         v``b``'s bytes; checked against its checksums before anything is published)."""
         self._check_open()
+        if _sliced.is_sliced(tensors):
+            if layout != "hf" or base is not None or base_tensors is not None:
+                raise ConfigError("slices (DTensor, Slice) are published as layout 'hf', without base=")
+            return _sliced.publish(self._session, self._holdings, self.checksum, model, tensors, version=version,
+                                   key=key, shard=shard, num_shards=num_shards)
+        shard = 0 if shard is None else shard
+        num_shards = 1 if num_shards is None else num_shards
+        if key is not None:
+            if version is not None:
+                raise ConfigError("pass version= or key=, not both")
+            version = self._session.api.allocate_version(model, None, request_id=key)
         if base is None and base_tensors is None:
             return _holder.publish(self._session, self._holdings, self.checksum, model, tensors, version=version,
                                    layout=layout, shard=shard, num_shards=num_shards)
@@ -228,7 +251,8 @@ class Hub:
               into: Optional[Mapping[str, Any]] = None, serve: bool = True, group: Optional[str] = None,
               timeout: Optional[float] = None,
               progress: Optional[Callable[[FetchProgress], None]] = None,
-              names: Optional[Iterable[str]] = None, base: Optional[int] = None) -> Fetched:
+              names: Optional[Iterable[str]] = None, base: Optional[int] = None,
+              ranges: Optional[Mapping[str, tuple[Any, Any]]] = None) -> Fetched:
         """Read ``model`` v``version`` (newest complete when None) from the holders the
         coordinator picks, into ``into`` (checked tensor by tensor) or new tensors.
 
@@ -247,8 +271,23 @@ class Hub:
         published deltas move fewer bytes than the full version, the deltas are read and
         applied (into a new buffer, or ``into`` in place), checked against the version's
         checksums, and served too; any delta problem reads the full version instead (and
-        logs why). ``result.delta`` says how (None: read in full)."""
+        logs why). ``result.delta`` says how (None: read in full), and
+        ``result.delta_skipped`` why a reader that had a base read in full (None: it had none).
+
+        Sliced versions (published by trainer ranks, ``tensorhub._sliced``) read as ``hf``
+        like any other: the full tensors are assembled from the ranks' slices. ``ranges``
+        (``{name: (rows, cols)}``, each a ``(start, stop)`` on dim 0 / dim 1 or None for the
+        whole dimension; ``serve`` must be False) reads only those parts of those tensors,
+        and moves only their bytes, from any version's ``hf`` tensors; the result holds each
+        at the range's shape (plus the whole tensors in ``names``)."""
         self._check_open()
+        if ranges is not None:
+            if serve:
+                raise ConfigError("fetch(ranges=...) reads part of a version, which cannot be served: "
+                                  "pass serve=False")
+            if layout != "hf" or base is not None or not isinstance(ranges, Mapping) or not ranges:
+                raise ConfigError("fetch(ranges=...) needs a non-empty {name: (rows, cols)} of the hf layout, "
+                                  "without base=")
         if names is not None:
             names = list(dict.fromkeys(names))
             if serve:
@@ -261,7 +300,8 @@ class Hub:
         t0 = time.monotonic()
         try:
             with self.api.bounded(deadline + _RELEASE_GRACE):
-                f = self._fetch(model, version, layout, shard, into, serve, group, deadline, track, names, base)
+                f = self._fetch(model, version, layout, shard, into, serve, group, deadline, track, names, base,
+                                ranges)
         except BaseException:
             self._account(model, layout, shard, track, None, t0)
             raise
@@ -294,26 +334,41 @@ class Hub:
 
     def _fetch(self, model: str, version: Optional[int], layout: str, shard: int,
                into: Optional[Mapping[str, Any]], serve: bool, group: Optional[str], deadline: float,
-               track: Track, names: Optional[list[str]] = None, base: Optional[int] = None) -> Fetched:
+               track: Track, names: Optional[list[str]] = None, base: Optional[int] = None,
+               ranges: Optional[Mapping[str, tuple[Any, Any]]] = None) -> Fetched:
         if version is None:
             version = self.resolve(model, group=group)
         elif not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ConfigError(f"version must be a positive int, got {version!r}")
         if base is not None:  # delta versions (issue #16)
             _delta_path.check_fetch_base(base, version, into, names)
+        opts = FetchOptions(self.max_sources, self.chunk_bytes, self.progress_timeout, self.checksum)
+        if ranges is not None:  # parts of tensors: from the slices' holders (or a full replica)
+            return _sliced.fetch(self._session, self._holdings, opts, model, version, into=into, serve=False,
+                                 deadline=deadline, track=track, names=names, ranges=ranges)
         held = self._holdings.get((model, version, layout, shard))
         if held is not None:  # we hold it already: no transfer
             return copy_held(held, into, names, self._holdings, self.worker_id)
         track.version = version
-        opts = FetchOptions(self.max_sources, self.chunk_bytes, self.progress_timeout, self.checksum)
-        if names is None:  # delta versions (issue #16): None -> read in full
-            f = _delta_path.fetch_through_delta(self._session, self._holdings, opts, model, version, layout, shard,
-                                                into=into, base=base, serve=serve, deadline=deadline, track=track,
-                                                pipelined=self.pipelined)
-            if f is not None:
-                return f
-        return Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into, serve=serve,
-                     deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
+        skipped: Optional[str] = None
+        try:
+            if names is None:  # delta versions (issue #16): None -> read in full
+                f, skipped = _delta_path.fetch_through_delta(self._session, self._holdings, opts, model, version,
+                                                             layout, shard, into=into, base=base, serve=serve,
+                                                             deadline=deadline, track=track, pipelined=self.pipelined)
+                if f is not None:
+                    return f
+            got = Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into,
+                        serve=serve, deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
+        except FetchError as e:
+            cause = e.__cause__
+            if not (isinstance(cause, ConflictError) and cause.code == "read_slices"):
+                raise
+            # Published as slices and no assembled copy serves yet (the coordinator said so).
+            got = _sliced.fetch(self._session, self._holdings, opts, model, version, into=into, serve=serve,
+                                deadline=deadline, track=track, names=names)
+        got.delta_skipped = skipped
+        return got
 
     def version_info(self, model: str, version: int) -> Optional[VersionView]:
         """``model`` v``version`` as the coordinator sees it now: ``.complete``, its
@@ -331,7 +386,15 @@ class Hub:
         self._check_open()
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ConfigError(f"version must be a positive int, got {version!r}")
-        return list(self.api.manifest(model, version, layout, shard).tensors)
+        try:
+            return list(self.api.manifest(model, version, layout, shard).tensors)
+        except NotFoundError as e:
+            if layout != "hf" or shard != 0 or e.code != "unknown_layout":
+                raise
+            try:  # a version published as slices: its full tensors
+                return _sliced.full_manifest(self._session, model, version)
+            except NotFoundError:
+                raise e from None
 
     def held(self) -> list[tuple[str, int, str, int]]:
         """(model, version, layout, shard) of every replica this process holds."""

@@ -142,6 +142,7 @@ def test_into_that_is_not_the_base_falls_back_to_full_and_says_so(connect, caplo
     with caplog.at_level(logging.WARNING, logger="tensorhub._delta_path"):
         f = r.fetch("m", v2, into=wrong, base=v1, serve=False)
     assert f.delta is None and _same(wrong, w2) and f.nbytes == _full(w2)
+    assert f.delta_skipped.startswith("delta from v1 not used") and "base v1" in f.delta_skipped
     assert _counter("fallback") == fb + 1
     assert "reading the full version instead" in caplog.text and "base v1" in caplog.text
 
@@ -159,7 +160,7 @@ def test_a_base_evicted_mid_chain_falls_back_to_full(connect, caplog):
     with caplog.at_level(logging.WARNING, logger="tensorhub._delta_path"):
         f = r.fetch("m", 3)
     assert f.delta is None and _same(f, w3) and f.nbytes == _full(w3)
-    assert "delta from v1 not used" in caplog.text
+    assert "delta from v1 not used" in caplog.text and "delta from v1 not used" in f.delta_skipped
 
 
 def test_corrupt_delta_bytes_are_caught_by_its_checksums_and_the_full_version_read(connect, caplog):
@@ -213,7 +214,7 @@ def test_reader_without_a_base_reads_the_full_version(connect):
     w2 = _step(w1, 2)
     t.publish("m", w2, base=1)
     f = r.fetch("m", 2)
-    assert f.delta is None and _same(f, w2) and f.nbytes == _full(w2)
+    assert f.delta is None and f.delta_skipped is None and _same(f, w2) and f.nbytes == _full(w2)
 
 
 def test_publish_base_errors(connect):

@@ -95,3 +95,20 @@ def test_two_datacenters_on_emulated_hosts_cross_the_slow_link_once():
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert res["testbed_namespaces"] and not set(res["testbed_namespaces"]) & set(left), \
         "the example left network namespaces behind"
+
+
+def test_verl_backend_example_syncs_through_verls_own_classes():
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is None:
+        pytest.skip("verl is not installed (scripts/setup.sh installs it)")
+    stdout, res = _run("verl_backend.py", "--mib", "4", timeout=420)
+    assert res["all_bytes_ok"] and res["config"]["backend"] == "tensorhub"
+    versions = [s["version"] for s in res["steps"]]
+    assert len(versions) == 3 and versions == sorted(set(versions))
+    for s in res["steps"]:
+        assert s["bytes_ok"] and len(s["rollouts"]) == 2
+        for r in s["rollouts"]:
+            assert r["buckets"] >= 4 and 0 < r["largest_bucket"] <= 1 << 20, r  # 4 MiB in 1 MiB buckets
+            assert sum(r["sources"].values()) == int(s["mib"] * (1 << 20)), r
+    assert "rollout 1 got it in" in stdout

@@ -257,3 +257,71 @@ def test_follow_waits_for_the_engines_prefetch_before_it_swaps(embedded, capsys)
     finally:
         engine.close()
         pub.close()
+
+
+def test_follow_learns_the_engines_prefetching_workers_from_the_engine(embedded, capsys):
+    """Without ``--engine-worker``, follow asks the driver's ``workers`` query once and waits
+    for the workers that prefetch the followed model and serve their copy; an engine that
+    does not prefetch it (or cannot be asked) is swapped at once, and follow says why."""
+    import argparse
+
+    import torch
+
+    import tensorhub
+    from tensorhub.follow import engine_holds, follow, prefetching_workers
+    from tensorhub.testing import InMemoryTransport
+
+    me = {"worker_id": "eng", "model": "policy", "version": None, "serving": True, "prefetch": True}
+    assert prefetching_workers("policy", [me, {**me, "worker_id": "eng-tp1", "serving": False}])[0] == ["eng"]
+    ids, line = prefetching_workers("policy", [{**me, "prefetch": False}])
+    assert ids == [] and "does not prefetch policy" in line and "eng (policy, prefetch off)" in line
+    assert prefetching_workers("other", [me])[0] == []
+    assert prefetching_workers("policy", [{"worker_id": None, "prefetch": False}])[0] == []
+    assert prefetching_workers("policy", [{**me, "prefetch": "yes"}])[0] == []  # typed: true or nothing
+    with pytest.raises(ValueError, match="not an engine worker's identity"):
+        prefetching_workers("policy", ["engine-b"])
+
+    url = embedded.url
+    pub = tensorhub.connect(url, worker_id="trainer", transport=InMemoryTransport())
+    engine = tensorhub.connect(url, worker_id="eng", transport=InMemoryTransport())
+    try:
+        w = {"w": torch.arange(1 << 12, dtype=torch.float32)}
+        swaps: list[tuple[int, bool]] = []
+
+        def do_swap(client, v, show):
+            swaps.append((v, engine_holds(engine.api.status(), "policy", v, "eng")))
+            return 0.01
+
+        def run(workers) -> None:
+            args = argparse.Namespace(model="policy", max_swaps=1, coordinator=url, token_file=None,
+                                      engine_worker=None, prefetch_wait=30.0)
+            follow(args, "http://127.0.0.1:9", lambda client: (swaps[-1][0] if swaps else None, "start"), do_swap,
+                   workers=workers)
+
+        t = threading.Thread(target=run, args=(lambda client: [me],), daemon=True)
+        t.start()
+        time.sleep(0.5)
+        v1 = pub.publish("policy", w)
+        time.sleep(1.0)
+        assert swaps == [], "follow swapped before the engine's worker held the version"
+        engine.fetch("policy", v1)
+        t.join(30)
+        assert swaps == [(v1, True)]
+        out = capsys.readouterr()
+        assert "engine worker(s) eng prefetch policy" in out.err
+        assert f"v{v1}: stall 0.010s" in out.out and "the engine had prefetched it (waited" in out.out
+
+        def unanswered(client):
+            raise RuntimeError("/collective_rpc answered 404")
+
+        t = threading.Thread(target=run, args=(unanswered,), daemon=True)
+        t.start()
+        time.sleep(0.3)
+        v2 = pub.publish("policy", w)
+        t.join(30)
+        assert swaps[1] == (v2, False)  # swapped at once, without waiting
+        err = capsys.readouterr().err
+        assert "could not ask the engine for its TensorHub workers (/collective_rpc answered 404)" in err
+    finally:
+        engine.close()
+        pub.close()

@@ -3,8 +3,8 @@
 Reads the source (every ``import``, at module level or inside a function) of ``tensorhub``
 and ``integrations``; nothing is imported or run. Fails on ``tensorhub`` importing
 ``integrations`` (engine adapters register through entry points instead), on one engine
-adapter importing the other or the adapters' core importing either (what both need lives
-in ``integrations._core``), and on any circle of modules importing each other, naming the
+adapter (vLLM, SGLang) or framework backend (verl) importing another, or the adapters' core
+importing any (what they share lives in ``integrations._core``), and on any circle of modules importing each other, naming the
 modules of each circle.
 """
 
@@ -109,6 +109,7 @@ def test_the_graph_is_read():
     assert "tensorhub._fetch" in g["tensorhub.hub"] and "tensorhub._session" in g["tensorhub._fetch"]
     assert "tensorhub.follow" in g["integrations.vllm.follow"]
     assert "integrations._core.worker" in g["integrations.sglang.pull"]
+    assert "integrations._core.worker" in g["integrations.verl.engine"]
 
 
 def test_tensorhub_never_imports_the_engine_adapters():
@@ -117,7 +118,8 @@ def test_tensorhub_never_imports_the_engine_adapters():
     assert not bad, f"tensorhub imports integrations (register a driver instead): {bad}"
 
 
-@pytest.mark.parametrize("engine, other", [("vllm", "sglang"), ("sglang", "vllm")])
+@pytest.mark.parametrize("engine, other", [("vllm", "sglang"), ("sglang", "vllm"), ("vllm", "verl"),
+                                           ("verl", "vllm"), ("sglang", "verl"), ("verl", "sglang")])
 def test_an_engine_adapter_never_imports_the_other(engine, other):
     """What both engines need is in the core (``integrations._core``), below both."""
     bad = sorted((m, t) for m, deps in _graph().items() if m.startswith(f"integrations.{engine}")
@@ -127,7 +129,7 @@ def test_an_engine_adapter_never_imports_the_other(engine, other):
 
 def test_the_adapters_core_imports_no_adapter():
     bad = sorted((m, t) for m, deps in _graph().items() if m.startswith("integrations._core")
-                 for t in deps if t.startswith(("integrations.vllm", "integrations.sglang")))
+                 for t in deps if t.startswith(("integrations.vllm", "integrations.sglang", "integrations.verl")))
     assert not bad, f"integrations._core imports an engine adapter: {bad}"
 
 

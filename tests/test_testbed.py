@@ -53,3 +53,39 @@ def test_two_datacenters_four_hosts_one_crossing_and_clean_exit(tmp_path):
         assert 0.95 < crossed < 1.3, f"{crossed:.2f}x the version crossed the slow link"
     assert _namespaces() == before - set(), "the testbed left namespaces behind"
     assert not {ns for ns in _namespaces() if ns.startswith(f"thb{tb.id}")}
+
+
+def test_a_delta_crosses_the_slow_link_once_for_two_readers(tmp_path):
+    """bench_delta's testbed side on one version: real coordinator, trainer and readers as
+    processes over Mooncake. Two readers holding v1 swap to v2 at once through its delta: the
+    slow link carries about one delta (~4.5% of the version here, plus the control plane),
+    not one per reader (~9%); the full reader's swap carries the version. Every reader
+    checks every byte."""
+    import torch
+
+    import bench_delta
+
+    before = _namespaces()
+    g = torch.Generator().manual_seed(0)
+    w1 = {f"layers.{i}.weight": torch.randn(64, 1024, generator=g).to(torch.bfloat16) for i in range(8)}
+    w2 = {}
+    for k, t in w1.items():
+        t = t.clone()
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: flat.numel() // 50]  # 2% of the elements change
+        flat[idx] = (flat[idx].float() + 0.25).to(torch.bfloat16)
+        w2[k] = t
+    full = sum(t.numel() * t.element_size() for t in w1.values())
+    side = bench_delta.TestbedSide(tmp_path, 200)
+    try:
+        v1 = side.first(w1)
+        v2, published = side.publish(w2, v1)
+        assert published
+        r = side.round(v2, w2)  # asserts the bytes of all three readers
+        side.retire(v1)
+    finally:
+        side.close()
+    assert r["delta_used"]
+    assert 0.95 < r["x_full"] / full < 1.2, r
+    assert r["x_delta"] < 0.07 * full, f"{r['x_delta'] / full:.3f}x the version crossed for the delta swaps"
+    assert _namespaces() == before, "the testbed left namespaces behind"

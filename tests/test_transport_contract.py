@@ -36,7 +36,7 @@ from tensorhub.transport._mooncake import PROGRESS_TIMEOUT_VAR, mooncake_availab
 from tensorhub.transport._shm import SameHostTransport
 
 ROOT = Path(__file__).resolve().parents[1]
-FIX_PIP = "pip install 'tensorhub[cpu]'"
+FIX_PIP = "pip install 'tensorhub-ros[cpu]'"
 FIX_APT = "apt-get install -y libibverbs1"
 
 

@@ -75,8 +75,10 @@ class Settings:
     reuse_buffers: bool = True
     #: Fetch each new version in the background as soon as it is complete, while the engine
     #: still generates; a later swap to it then only applies it (one more model-size copy
-    #: until the swap; vLLM).
-    prefetch: bool = False
+    #: until the swap; vLLM). On by default: an engine that follows a trainer then stalls
+    #: only for the apply. ``false`` fetches inside the swap instead (the pause then covers
+    #: the transfer too), e.g. when host memory cannot take the extra copy.
+    prefetch: bool = True
 
     @classmethod
     def from_extra(cls, extra: Any) -> "Settings":

@@ -33,7 +33,7 @@ from .settings import Settings, SettingsError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineHooks", "WorkerState", "connect", "get_state", "open_hub", "resolve", "version_status",
+__all__ = ["EngineHooks", "WorkerState", "connect", "get_state", "open_hub", "probe", "resolve", "version_status",
            "fetch", "serve_in_place", "withdraw", "read_disk", "publish_disk"]
 
 
@@ -113,19 +113,25 @@ def connect(settings: Settings, hooks: EngineHooks, state: type = WorkerState) -
 # ---------------------------------------------------------------- connect
 def _probe(settings: Settings) -> None:
     """Fail fast, naming the setting, when the coordinator does not answer."""
+    probe(settings.coordinator, settings.connect_timeout)
+
+
+def probe(coordinator: str, connect_timeout: float) -> None:
+    """Fail fast (a :class:`SettingsError` naming ``coordinator`` and the last problem) when
+    none of the coordinator URLs answers ``/healthz`` within ``connect_timeout`` seconds."""
     import httpx
 
     try:
-        urls = coordinator_urls(settings.coordinator)  # several: HA coordinators, any one answering will do
+        urls = coordinator_urls(coordinator)  # several: HA coordinators, any one answering will do
     except ConfigError as e:
         raise SettingsError(f"tensorhub: setting 'coordinator': {e}") from None
     url = ",".join(urls)
-    deadline = time.monotonic() + settings.connect_timeout
+    deadline = time.monotonic() + connect_timeout
     last: Exception | str = ""
     while time.monotonic() < deadline:
         for u in urls:
             try:
-                r = httpx.get(f"{u}/healthz", timeout=min(5.0, settings.connect_timeout))
+                r = httpx.get(f"{u}/healthz", timeout=min(5.0, connect_timeout))
                 if r.status_code == 200:
                     return
                 last = f"{u}: HTTP {r.status_code}"
@@ -133,7 +139,7 @@ def _probe(settings: Settings) -> None:
                 last = f"{u}: {e}"
         time.sleep(0.5)
     raise SettingsError(f"tensorhub: setting 'coordinator': {url} did not answer within "
-                        f"{settings.connect_timeout:g}s ({last})")
+                        f"{connect_timeout:g}s ({last})")
 
 
 def open_hub(settings: Settings, engine: str, tp_rank: int, tp_size: int, pp_rank: int) -> Any:
@@ -218,14 +224,15 @@ def fetch(st: WorkerState, version: int, layout: str = "hf", *, shard: int = 0,
     got = st.hub.fetch(s.model, version, layout=layout, shard=shard if native else 0,
                        serve=st.serving and not native, timeout=s.fetch_timeout, into=into,
                        base=base if into is not None and not native else None)
-    d = getattr(got, "delta", None)
-    logger.info("tensorhub: fetched %s v%d (%s): %.1f MB in %.2fs (%.2f GB/s) from %s%s%s%s",
+    d, skipped = getattr(got, "delta", None), getattr(got, "delta_skipped", None)
+    logger.info("tensorhub: fetched %s v%d (%s): %.1f MB in %.2fs (%.2f GB/s) from %s%s%s%s%s",
                 s.model, version, layout, got.nbytes / 1e6,
                 time.monotonic() - t0, got.gbps, got.sources,
                 f"; failed sources {got.failed_sources}" if got.failed_sources else "",
                 "; into the kept copy of an older version" if into is not None else "",
                 f"; through delta(s) {d.steps} ({100 * d.nbytes / max(1, d.full_nbytes):.1f}% of the version)"
-                if d is not None else "")
+                if d is not None else "",
+                f"; in full, not through deltas: {skipped}" if skipped else "")
     return got
 
 

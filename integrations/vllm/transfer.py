@@ -20,6 +20,11 @@ this engine:
 * ``finish_weight_update(weight_version="N")``: nothing left to do here; vLLM records the
   version that ``/weight_info`` reports.
 
+Identity: the engine object is callable; vLLM's dev route ``POST /collective_rpc
+{"method": "weight_transfer_engine"}`` answers, per worker, its TensorHub ``worker_id``,
+model, version, whether it serves its ``hf`` copy and whether it prefetches. ``tensorhub
+follow`` asks it once, so it can wait for the engine's prefetch without ``--engine-worker``.
+
 Metrics: the engine's root (PP stage 0, TP rank 0) reports each swap to the coordinator (``Hub.report_swap``): the stall
 is ``start_weight_update`` to ``finish_weight_update`` (the engine is paused throughout;
 without a ``start`` call, the ``update_weights`` call alone), with its fetch and apply
@@ -155,7 +160,7 @@ class _Mixin:
             logger.info("tensorhub: already at %s v%d", s.model, v)
             return
         t1 = time.monotonic()
-        self._apply(got)
+        loading = self._apply(got)
         t2 = time.monotonic()
         old_copy = st.copy
         st.version, st.specs, st.copy = v, load.specs_of(got), (got if st.serving else None)
@@ -164,14 +169,18 @@ class _Mixin:
             st.spare = dict(got)
         st.retire_later(old_v, old_copy)  # draining the old version's readers must not stall the engine
         logger.info("tensorhub: worker %s swapped %s v%s -> v%d: fetch %.2fs (%.1f MB, %.2f GB/s, from %s%s), "
-                    "apply %.2fs", st.hub.worker_id, s.model, old_v, v, t1 - t0, got.nbytes / 1e6, got.gbps,
-                    got.sources, "; prefetched before the swap" if prefetched else "", t2 - t1)
+                    "apply %.2fs (load_weights %.2fs, finalize %.2fs)", st.hub.worker_id, s.model, old_v, v,
+                    t1 - t0, got.nbytes / 1e6, got.gbps, got.sources,
+                    "; prefetched before the swap" if prefetched else "", t2 - t1, loading, t2 - t1 - loading)
         self._swap_parts = (v, t1 - t0, t2 - t1)
         if getattr(self, "_swap_t0", None) is None:  # no start_weight_update: this call is the swap
             self._report_swap(st, v, t0, ok=True, parts=self._swap_parts)
             self._swap_parts = None
 
-    def _apply(self, tensors: Any) -> None:
+    def _apply(self, tensors: Any) -> float:
+        """vLLM's layerwise reload of the fetched version; returns the seconds in
+        ``load_weights`` (which also processes each layer once it is whole, e.g. the CPU
+        prepacking; the rest is vLLM's set-up and finalize)."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -181,14 +190,32 @@ class _Mixin:
         initialize_layerwise_reload(model)
         # One pass, as vLLM's own reload_weights does: the whole version is in memory
         # already, so buckets would bound nothing and only add calls.
+        t0 = time.monotonic()
         model.load_weights(iter(tensors.items()))
+        loading = time.monotonic() - t0
         finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
+        return loading
 
     def finish_weight_update(self) -> None:
         t0, parts = getattr(self, "_swap_t0", None), getattr(self, "_swap_parts", None)
         self._swap_t0, self._swap_parts = None, None
         if t0 is not None and parts is not None:
             self._report_swap(self._st(), parts[0], t0, ok=True, parts=parts)
+
+    def __call__(self) -> dict:
+        """This worker's TensorHub identity, for ``tensorhub follow`` to learn which workers
+        are the engine's: vLLM's dev route ``POST /collective_rpc {"method":
+        "weight_transfer_engine"}`` looks the name up on every worker and calls what it finds
+        (this engine), answering one of these per worker. Read-only: it never connects."""
+        from dataclasses import asdict
+
+        from tensorhub.follow import EngineWorker
+
+        st = getattr(self, "_state", None) or worker.get_state()
+        if st is None:  # not connected yet (no --load-format tensorhub, no update so far)
+            return asdict(EngineWorker(None))
+        return asdict(EngineWorker(st.hub.worker_id, st.settings.model, st.version, st.serving,
+                                   st.prefetcher is not None))
 
     def shutdown(self) -> None:
         """Keep the Hub: the engine's replicas stay registered while it runs."""

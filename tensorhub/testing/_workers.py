@@ -59,6 +59,22 @@ def make_weights(seed: int, nbytes: int, n: int = 8) -> dict:
     return out
 
 
+def changed_weights(prev: dict, seed: int, frac: float) -> dict:
+    """A copy of ``prev`` with about ``frac`` of each tensor's bytes changed (the rest
+    bit-identical): a next version a delta carries in a few % of the bytes."""
+    import torch
+
+    g = torch.Generator().manual_seed(2000 + seed)
+    out = {}
+    for k, t in prev.items():
+        t = t.clone()
+        raw = t.reshape(-1).view(torch.uint8)
+        idx = torch.randint(0, raw.numel(), (max(1, int(frac * raw.numel())),), generator=g)
+        raw[idx] += 1
+        out[k] = t
+    return out
+
+
 def digest(tensors: dict) -> dict:
     import torch
 
@@ -218,6 +234,13 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
         cmd, kw = conn.recv()
         try:
             if cmd == "publish":
+                base = kw.get("base")
+                if base is not None:  # a small change of a version this worker holds, published as a delta
+                    w = changed_weights(published[base][0][0], kw["seed"], kw.get("frac", 0.01))
+                    v = hub.publish(MODEL, w, version=kw.get("version"), base=base)
+                    published.setdefault(v, []).append((w, kw["nbytes"]))
+                    conn.send(("ok", v))
+                    continue
                 w = make_weights(kw["seed"], kw["nbytes"])
                 if kw.get("empty_like"):  # a snapshot in Hub-allocated memory (same-host readers copy it)
                     snap = hub.empty_like(w)
@@ -255,9 +278,11 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                 except Exception as e:
                     e.args = (f"{e} (after {time.monotonic() - t0:.2f}s)",)
                     raise
+                d = f.delta
                 conn.send(("ok", {"version": f.version, "digest": digest(f), "sources": f.sources,
                                   "failed_sources": f.failed_sources, "nbytes": f.nbytes,
-                                  "seconds": f.seconds}))
+                                  "seconds": f.seconds, "delta": None if d is None else d.steps,
+                                  "delta_skipped": f.delta_skipped}))
             elif cmd == "unpublish":
                 t0 = time.monotonic()
                 hub.unpublish(MODEL, kw["version"], timeout=kw.get("drain_timeout"))

@@ -65,8 +65,8 @@ _LEAKED: list[Any] = []
 PROGRESS_TIMEOUT_VAR = "MC_TCP_PROGRESS_TIMEOUT_SEC"
 
 _FIX = (
-    "install the data plane with `pip install 'tensorhub[cpu]'` "
-    "(or `pip install 'tensorhub[cuda]'` on CUDA hosts), "
+    "install the data plane with `pip install 'tensorhub-ros[cpu]'` "
+    "(or `pip install 'tensorhub-ros[cuda]'` on CUDA hosts), "
     "and its system library with `apt-get install -y libibverbs1`"
 )
 

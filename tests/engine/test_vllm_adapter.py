@@ -9,6 +9,14 @@ One fleet per module, because each engine start costs ~20-40 s on two cores:
 * a trainer (this process) publishes v2; A swaps offline, B through the HTTP endpoints;
   a fresh engine C loads v2's safetensors from disk with vLLM's default loader: the
   reference for the outputs.
+
+Every engine here pins ``"prefetch": false`` (:data:`SWAP_FETCHES`): this module tests the
+swap's own fetch (a source killed before and in the middle of it, a failed fetch, a
+timeout) and who holds which version afterwards. With the default prefetch each engine
+fetches every version the moment it is complete, before the test can stop or kill the
+source, and becomes one more holder of it; the swap then transfers nothing. The fetch code
+is the same either way (``integrations._core.worker.fetch``); the prefetch path, and
+``prefetch`` being the default, are tested with real engines in ``test_vllm_prefetch.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from _tiny import PROMPTS, make_model_dir, make_weights
 pytestmark = pytest.mark.engine
 
 MODEL = "policy"
+#: The swaps of this module fetch inside the swap (see the module docstring).
+SWAP_FETCHES = {"prefetch": False}
 
 
 def _digest(tensors: dict) -> dict:
@@ -77,7 +87,8 @@ def fleet(tmp_path_factory):
         f["dir_bare"] = make_model_dir(tmp / "bare", weights=False)
         a = OfflineEngine(tmp / "a.log", model=str(f["dir_v1"]), load_format="tensorhub",
                           model_loader_extra_config={"coordinator": coord.url, "model": MODEL,
-                                                     "on_missing": "disk", "worker_id": "engine-a"},
+                                                     "on_missing": "disk", "worker_id": "engine-a",
+                                                     **SWAP_FETCHES},
                           weight_transfer_config={"backend": "tensorhub"})
         f["engines"].append(a)
         f["a"] = a
@@ -87,7 +98,8 @@ def fleet(tmp_path_factory):
         b = ServerEngine(tmp / "b.log", f["dir_bare"], [
             "--load-format", "tensorhub",
             "--model-loader-extra-config", json.dumps({"model": MODEL, "worker_id": "engine-b",
-                                                         "bucket_bytes": 300_000, "fetch_timeout": 8}),
+                                                         "bucket_bytes": 300_000, "fetch_timeout": 8,
+                                                         **SWAP_FETCHES}),
             "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
             env={"TENSORHUB_COORDINATOR": coord.url,  # the env default for "coordinator"
                  "PROMETHEUS_MULTIPROC_DIR": str(tmp / "prom")})
@@ -233,7 +245,7 @@ def test_tp2_engine_loads_from_peers(fleet):
     tp = OfflineEngine(fleet["tmp"] / "tp2.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                        model=str(fleet["dir_bare"]), tensor_parallel_size=2, load_format="tensorhub",
                        model_loader_extra_config={"coordinator": fleet["url"], "model": MODEL,
-                                                  "version": 2, "worker_id": "engine-tp"},
+                                                  "version": 2, "worker_id": "engine-tp", **SWAP_FETCHES},
                        weight_transfer_config={"backend": "tensorhub"})
     try:
         assert tp.call("generate", prompts=PROMPTS)["ids"] == ref["ids"]

@@ -68,8 +68,13 @@ def test_vllm_swaps_through_a_delta_and_falls_back_on_a_bad_one(tmp_path, monkey
         w1 = make_weights(0)
         a = OfflineEngine(tmp_path / "a.log", model=str(make_model_dir(tmp_path / "v1", seed=0)),
                           load_format="tensorhub",
+                          # prefetch off: this tests the swap's own fetch through a delta. A
+                          # prefetch starts the moment the full version is complete, before
+                          # publish(base=...) has encoded and registered its delta, and reads it
+                          # in full (right bytes, more of them).
                           model_loader_extra_config={"coordinator": coord.url, "model": MODEL,
-                                                     "on_missing": "disk", "worker_id": "engine-a"},
+                                                     "on_missing": "disk", "worker_id": "engine-a",
+                                                     "prefetch": False},
                           weight_transfer_config={"backend": "tensorhub"})
         out1 = a.call("generate", prompts=PROMPTS)
         a.call("init_weight_transfer_engine", init_info={})
@@ -110,6 +115,56 @@ def test_vllm_swaps_through_a_delta_and_falls_back_on_a_bad_one(tmp_path, monkey
     finally:
         if a is not None:
             a.close()
+        if trainer is not None:
+            trainer.close()
+        coord.stop()
+
+
+def test_a_non_serving_tp_rank_swaps_through_a_delta_into_its_kept_copy(tmp_path):
+    """A TP=2 engine: rank 0 serves the hf copy (its base by itself); rank 1 serves nothing
+    (``serve_ranks="first"``) and keeps, after a swap, the copy it fetched as the next swap's
+    destination (``reuse_buffers``). It started by streaming v1 (no copy), so its first swap
+    reads v2 in full; its second names that kept v2 as the base and reads only v3's delta.
+    Outputs equal a fresh engine's on v3's weight files."""
+    require_vllm()
+    import tensorhub
+
+    coord = Coordinator(tmp_path / "state")
+    tp = trainer = None
+    try:
+        trainer = tensorhub.connect(coord.url, worker_id="trainer")
+        w1 = make_weights(0)
+        assert trainer.publish(MODEL, w1) == 1
+        tp = OfflineEngine(tmp_path / "tp2.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                           model=str(make_model_dir(tmp_path / "bare", weights=False)), tensor_parallel_size=2,
+                           load_format="tensorhub",
+                           model_loader_extra_config={"coordinator": coord.url, "model": MODEL,
+                                                      "worker_id": "engine-tp"},
+                           weight_transfer_config={"backend": "tensorhub"})
+        tp.call("init_weight_transfer_engine", init_info={})
+        assert "tensorhub: streamed policy v1 (hf)" in tp.log_tail(400_000)  # rank 1 kept no copy of v1
+
+        w2 = _changed(w1, 2)
+        assert trainer.publish(MODEL, w2, base=1) == 2
+        _swap(tp, 2)
+        log = tp.log_tail(400_000)
+        assert "worker engine-tp-tp0 fetched policy v2 layout hf shard 0 through delta v1->v2" in log, log[-3000:]
+        assert "worker engine-tp-tp1 fetched policy v2 layout hf shard 0 through delta" not in log  # no base yet
+
+        w3 = _changed(w2, 3)
+        assert trainer.publish(MODEL, w3, base=2) == 3
+        _swap(tp, 3)
+        log = tp.log_tail(400_000)
+        for rank in (0, 1):
+            assert f"worker engine-tp-tp{rank} fetched policy v3 layout hf shard 0 through delta v2->v3" in log, \
+                log[-3000:]
+        reps = {(r.worker_id, r.layout) for r in trainer.version_info(MODEL, 3).replicas}
+        assert ("engine-tp-tp0", "hf") in reps and not [r for r in reps if r[0] == "engine-tp-tp1"], reps
+        ref3 = _reference(tmp_path, "ref3", w3)
+        assert tp.call("generate", prompts=PROMPTS)["ids"] == ref3["ids"]
+    finally:
+        if tp is not None:
+            tp.close()
         if trainer is not None:
             trainer.close()
         coord.stop()
