@@ -360,9 +360,14 @@ class Hub:
                     return f
             got = Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into,
                         serve=serve, deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
-        except FetchError as e:
-            cause = e.__cause__
-            if not (isinstance(cause, ConflictError) and cause.code == "read_slices"):
+        except (FetchError, NotFoundError) as e:
+            cause = e.__cause__ if isinstance(e, FetchError) else e
+            slices = isinstance(cause, ConflictError) and cause.code == "read_slices"
+            # A reader that serves while receiving asks for the manifest before its lease:
+            # a version published as slices has no 'hf' manifest until one is assembled.
+            slices = slices or (isinstance(cause, NotFoundError) and cause.code == "unknown_layout"
+                                and layout == "hf" and shard == 0 and names is None)
+            if not slices:
                 raise
             # Published as slices and no assembled copy serves yet (the coordinator said so).
             got = _sliced.fetch(self._session, self._holdings, opts, model, version, into=into, serve=serve,
