@@ -420,16 +420,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--url", help="load this running coordinator instead of starting one (needs --pid)")
     p.add_argument("--pid", type=int, help="process id of the coordinator at --url (for its RSS)")
     p.add_argument("--json", help="also write the figures here")
-    p.add_argument("--fleet", action="store_true", help="run the fleet mode (benchmarks/bench_fleet.py) instead "
-                   "(--workers default 10,000)")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_fleet
-
-    bench_fleet.add_arguments(p)
-    a = p.parse_args(argv)
-    if a.fleet:
-        return bench_fleet.run_main(a, 10_000 if a.workers == 2000 and "--workers" not in (argv or sys.argv)
-                                    else a.workers)
+    p.add_argument("--fleet", action="store_true", help="run the fleet mode instead: benchmarks/bench_fleet.py "
+                   "with the other arguments (--workers default 10,000; its --help lists its options)")
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--fleet" in args:  # a process of its own: bench_fleet builds on this module's helpers
+        args.remove("--fleet")
+        return subprocess.call([sys.executable, str(Path(__file__).resolve().parent / "bench_fleet.py"), *args])
+    a = p.parse_args(args)
     out = run(workers=a.workers, holders=a.holders, models=a.models, tensors=a.tensors, seconds=a.seconds,
               heartbeat=a.heartbeat, lease_rate=a.lease_rate, connections=a.connections, seed=a.seed, url=a.url, pid=a.pid)
     print(report(out))

@@ -80,10 +80,10 @@ def test_fleet_mode_bookkeeping():
     assert all(p["calls"]["POST chunks"] >= 4 for p in old["phases"].values())
 
 
-def test_bench_load_fleet_flag_runs_bench_fleet(capsys):
-    """``bench_load.py --fleet`` keeps working (it runs bench_fleet's main)."""
+def test_bench_load_fleet_flag_runs_bench_fleet(capfd):
+    """``bench_load.py --fleet`` keeps working (it runs bench_fleet.py in a process of its own)."""
     bench = _bench()
     rc = bench.main(["--fleet", "--workers", "60", "--readers", "2", "--fleet-tensors", "300", "--chunks", "64", "128",
                      "--history", "1", "2", "--history-tensors", "2", "--heartbeat", "1.0"])
     assert rc == 0
-    assert "chunkmap protocol" in capsys.readouterr().out
+    assert "chunkmap protocol" in capfd.readouterr().out
