@@ -628,7 +628,8 @@ def workload(name: str, args: argparse.Namespace, dcs: int) -> dict:
         "crossed_x": th["crossed_bytes"] / nbytes, "trainer_x": th["from_trainer_bytes"] / nbytes,
         "sim_wall_s": wall, "chunks": chunks, "protocol": args.protocol,
         "calls_per_reader": th.get("calls_mean"), "calls_max": th.get("calls_max"),
-        "refreshes_per_reader": th.get("refreshes_mean"), "stall_refreshes_per_reader": th.get("stall_refreshes_mean"), "map_reads_per_reader": th.get("map_reads_mean"),
+        "refreshes_per_reader": th.get("refreshes_mean"),
+        "stall_refreshes_per_reader": th.get("stall_refreshes_mean"), "map_reads_per_reader": th.get("map_reads_mean"),
     }
     out["vs_bound"] = out["tensorhub"] / out["lower_bound"]
     out["vs_ring"] = out["ring"] / out["tensorhub"]
@@ -689,7 +690,8 @@ def main() -> int:
     ap.add_argument("--report-ms", type=float, default=50.0, help="reports protocol only")
     ap.add_argument("--refresh-ms", type=float, default=50.0, help="reports protocol only")
     ap.add_argument("--validate", type=Path, default=None, help="bench_fanout.json from the testbed")
-    ap.add_argument("--only", choices=["standalone", "elastic", "crossdc"], default=None)
+    ap.add_argument("--only", choices=["standalone", "elastic", "crossdc", "none"], default=None,
+                    help="one workload ('none': only --validate)")
     ap.add_argument("--json", default="out/simulate.json")
     args = ap.parse_args()
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
@@ -718,7 +720,8 @@ def main() -> int:
     print(f"control loop: {args.protocol}" + (f" (chunk-map read {args.rtt_us:g} us)" if args.protocol == "chunkmap"
                                               else f" (reports {args.report_ms:g} ms, refresh {args.refresh_ms:g} ms)"))
     print(f"{'workload':>11} {'DCs':>3} {'readers':>7} {'TensorHub':>9} {'single':>8} {'ring':>7} {'push-pull':>9} "
-          f"{'bound':>7} {'/bound':>6} {'ring/TH':>7} {'xDC (x)':>7} {'vs best':>7} {'vs single':>9} {'paper':>6} "
+          f"{'bound':>7} {'/bound':>6} {'ring/TH':>7} {'pub (x)':>7} {'xDC (x)':>7} {'vs best':>7} {'vs single':>9} "
+          f"{'paper':>6} "
           f"{'calls/rdr':>9}")
     for name, dcs in plan:
         o = workload(name, args, dcs)
@@ -726,10 +729,12 @@ def main() -> int:
         calls = "-" if o["calls_per_reader"] is None else f"{o['calls_per_reader']:.2f}"
         print(f"{name:>11} {dcs:>3} {o['readers']:>7} {o['tensorhub']:>9.2f} {o['single_source']:>8.2f} "
               f"{o['ring']:>7.2f} {o['push_pull']:>9.2f} {o['lower_bound']:>7.2f} {o['vs_bound']:>6.2f} "
-              f"{o['vs_ring']:>7.2f} {o['crossed_x']:>7.2f} {o['vs_best_baseline']:>7.1f} {o['vs_single_source']:>9.1f} "
+              f"{o['vs_ring']:>7.2f} {o['trainer_x']:>7.2f} {o['crossed_x']:>7.2f} {o['vs_best_baseline']:>7.1f} "
+              f"{o['vs_single_source']:>9.1f} "
               f"{PAPER[name]:>6.1f} {calls:>9}", flush=True)
     print("(seconds until every reader holds the version; '/bound' = TensorHub / lower bound (target <= 1.3); "
-          "'ring/TH' = pre-formed ring / TensorHub (target > 1); 'vs best' = best baseline / TensorHub; "
+          "'ring/TH' = pre-formed ring / TensorHub (target > 1); 'pub (x)' = bytes the trainer sent / version; "
+          "'vs best' = best baseline / TensorHub; "
           "'paper' = the ratio the paper reports for that workload; 'calls/rdr' = coordinator calls per reader "
           "(resolve, manifest, lease, refreshes, release+register))")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
