@@ -181,7 +181,8 @@ class Hub:
 
         ``base=b``: also publish the version's delta against v``b`` (layout ``delta:<b>``,
         ``tensorhub._delta_path``), which readers holding v``b`` fetch instead of the full
-        bytes. The base is this process's replica of v``b``, or ``base_tensors`` (exactly
+        bytes. The delta is registered first: the full layout, published after it, completes
+        the version (a delta layout never does), so whoever waits for the version finds it. The base is this process's replica of v``b``, or ``base_tensors`` (exactly
         v``b``'s bytes; checked against its checksums before anything is published)."""
         self._check_open()
         if _sliced.is_sliced(tensors):
