@@ -276,7 +276,10 @@ def publish_with_delta(session: Session, holdings: Holdings, checksum: str, mode
         return _holder.publish(session, holdings, checksum, model, tensors, version=v, layout=layout, shard=shard,
                                num_shards=num_shards)
     except BaseException:
-        _withdraw_delta(session, holdings, model, v, delta_layout(base, layout), shard)
+        try:  # no delta left behind for a version that is not published
+            _withdraw_delta(session, holdings, model, v, delta_layout(base, layout), shard)
+        except Exception as e:
+            logger.warning("%s v%d: its delta could not be withdrawn after the full publish failed: %s", model, v, e)
         raise
 
 
