@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 
 from ._exceptions import ConflictError, ManifestMismatchError, NotFoundError
 from ._slices import check_register
-from ._wire import Manifest, RegisterReplica, first_difference
+from ._wire import Manifest, RegisterReplica, first_difference, is_delta_layout
 
 __all__ = ["Catalog", "ModelInfo", "VersionInfo", "LayoutInfo", "Write", "ALLOCATIONS_KEPT"]
 
@@ -46,7 +46,10 @@ class VersionInfo:
 
     @property
     def complete(self) -> bool:
-        return any(li.complete for li in self.layouts.values())
+        """Some full layout has every shard. A delta layout (``is_delta_layout``) never
+        completes a version: its publisher registers it *before* the full layout, so a
+        reader woken by the completion finds the delta already there."""
+        return any(li.complete for name, li in self.layouts.items() if not is_delta_layout(name))
 
 
 @dataclass
@@ -117,7 +120,7 @@ class Catalog:
             elif table == "manifest":
                 li = cat.models[key[0]].versions[key[1]].layouts[key[2]]
                 li.manifests[key[3]] = value
-                if li.complete:
+                if li.complete and not is_delta_layout(key[2]):
                     cat.models[key[0]].completed(key[1])
             elif table == "allocation":
                 cat.allocations[tuple(key)] = value
@@ -233,7 +236,7 @@ class Catalog:
         if known is None:
             li.manifests[req.shard] = req.manifest
             self._writes.append(("manifest", (req.model, req.version, req.layout, req.shard), req.manifest))
-            if li.complete and self.models[req.model].completed(req.version):
+            if li.complete and not is_delta_layout(req.layout) and self.models[req.model].completed(req.version):
                 self._completed.add(req.model)
         else:
             diff = first_difference(known, req.manifest)

@@ -13,10 +13,15 @@ the full layout of v stays published beside it.
 
 Who calls what:
 
-* holder (``Hub.publish(..., base=b)``): :func:`check_base` before the full version is
-  published (the base must be held by this process or passed, and must be exactly b:
-  names, dtypes, shapes, checksums), then :func:`publish_delta` after it (encode and
-  register the delta layout as one more replica of v).
+* holder (``Hub.publish(..., base=b)``, :func:`publish_with_delta`): :func:`check_base`
+  before anything is published (the base must be held by this process or passed, and
+  must be exactly b: names, dtypes, shapes, checksums); then the version number is
+  allocated, :func:`publish_delta` encodes and registers the delta layout of v, and only
+  then the full layout is published. A delta layout never completes a version
+  (``_wire.is_delta_layout``, ``_catalog.VersionInfo.complete``), so the full layout is what
+  completes v: whoever is woken by v's completion (``wait_for_version``, an engine's
+  prefetcher) finds its delta already registered. If the delta cannot be published (an
+  error, or too big to be worth it) the full version is published all the same.
 * reader (``Hub.fetch``): :func:`fetch_through_delta` when it holds an older version of the
   same layout and shard (its served copy; or ``into`` with ``base=b``, the caller saying
   ``into`` holds b). It plans by bytes (:func:`plan`: the direct delta b->v, or the chain
@@ -38,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -56,8 +62,8 @@ from ._fetch import Fetch, FetchOptions, Fetched, PipelinedSources, PlainSources
 from ._holdings import Held, Holdings, unregister_regions
 from ._metrics import Track
 from ._session import Session
-from ._tensors import allocate_like, check_into, coalesce, dtype_name
-from ._wire import LeaseGrant, Manifest
+from ._tensors import allocate_like, check_into, coalesce, dtype_name, manifest_of
+from ._wire import LeaseGrant, Manifest, delta_layout, is_delta_layout
 
 __all__ = ["HEADER", "DeltaRead", "check_base", "check_fetch_base", "delta_layout", "fetch_through_delta", "plan", "publish_delta"]
 
@@ -74,11 +80,6 @@ MAX_CHAIN = 16
 #: the bytes was slower than the full read in benchmarks/bench_delta.py (70% of the bytes:
 #: 385 ms vs 185 ms for the full read over a 100 Mbit/s link; 4% of them: 49 ms vs 177 ms).
 MAX_FRACTION = 0.5
-
-
-def delta_layout(base: int, layout: str = "hf") -> str:
-    """The layout name of the delta against ``base`` of ``layout``."""
-    return f"delta:{base}" if layout == "hf" else f"delta:{base}:{layout}"
 
 
 _COUNTER: Any = None
@@ -250,21 +251,36 @@ def encode_tensors(tensors: Mapping[str, Any], base: BaseCopy, *, model: str, ve
 def publish_with_delta(session: Session, holdings: Holdings, checksum: str, model: str,
                        tensors: Mapping[str, Any], base: Optional[int], base_tensors: Optional[Mapping[str, Any]], *,
                        version: Optional[int], layout: str, shard: int, num_shards: int) -> int:
-    """``Hub.publish(..., base=b)``: check the base before anything is published, publish
-    the full version, then its delta against v``b`` (the full version stands even if its
-    delta cannot be published: readers then read it in full)."""
+    """``Hub.publish(..., base=b)``: check the base and the tensors before anything is
+    published, allocate the version, register its delta against v``b``, then publish the
+    full layout, which completes the version (a delta layout never does): a reader woken
+    by the completion finds the delta there. If the delta cannot be published the full
+    version is published all the same (readers then read it in full); if the full layout
+    cannot, the delta is withdrawn again and the error raised."""
     if base is None:
         raise ConfigError("publish(base_tensors=...) needs base= (the version they hold)")
     base_copy = check_base(session, holdings, model, tensors, base, base_tensors, layout, shard)
-    v = _holder.publish(session, holdings, checksum, model, tensors, version=version, layout=layout, shard=shard,
-                        num_shards=num_shards)
+    # What _holder.publish would refuse, refused before the delta is registered.
+    manifest_of(tensors, shapes_only=True)
+    if not 0 <= shard < num_shards:
+        raise ConfigError(f"shard {shard} is not in [0, {num_shards})")
+    # The allocation _holder.publish makes (a retry with the same id gets the same number).
+    v = session.api.allocate_version(model, version, request_id=secrets.token_hex(12))
     try:
         publish_delta(session, holdings, checksum, model, tensors, base_copy, version=v, layout=layout, shard=shard,
                       num_shards=num_shards)
-    except TensorHubError as e:
-        logger.warning("%s v%d is published, but its delta against v%d is not (readers read it in full): %s",
-                       model, v, base, e)
-    return v
+    except Exception as e:  # the full version is published all the same
+        logger.warning("%s v%d: its delta against v%d is not published (readers read it in full): %s",
+                       model, v, base, e, exc_info=not isinstance(e, TensorHubError))
+    try:
+        return _holder.publish(session, holdings, checksum, model, tensors, version=v, layout=layout, shard=shard,
+                               num_shards=num_shards)
+    except BaseException:
+        try:  # no delta left behind for a version that is not published
+            _withdraw_delta(session, holdings, model, v, delta_layout(base, layout), shard)
+        except Exception as e:
+            logger.warning("%s v%d: its delta could not be withdrawn after the full publish failed: %s", model, v, e)
+        raise
 
 
 def publish_delta(session: Session, holdings: Holdings, checksum: str, model: str, tensors: Mapping[str, Any],
@@ -422,7 +438,7 @@ def fetch_through_delta(session: Session, holdings: Holdings, opts: FetchOptions
     the full version though it had a base (a delta problem: one warning, counted; no
     route: logged); ``(None, None)`` when there was nothing to start from (silent). The
     Hub hands ``why`` to the caller as ``Fetched.delta_skipped``. See the module docstring."""
-    if layout.startswith("delta:"):
+    if is_delta_layout(layout):
         return None, None
     src: Optional[Held] = None
     if base is None:

@@ -81,6 +81,7 @@ from ._wire import (
     RegisterReplica,
     ReplicaInfo,
     SwapReport,
+    is_delta_layout,
     manifest_digest,
 )
 
@@ -346,21 +347,22 @@ class CoordinatorState:
         self._worker(req.worker_id)
         if req.manifest is None:
             req = self._by_digest(req)
-        li = self.catalog.add_manifest(req, self._check_partial if req.partial else None)
+        self.catalog.add_manifest(req, self._check_partial if req.partial else None)
+        complete = self.catalog.version(req.model, req.version).complete  # a delta layout alone: not
         key = ShardKey(req.model, req.version, req.layout, req.shard)
         for r in self.registry.replicas_of_shard(key):  # idempotent re-registration (same memory)
             if r.worker_id == req.worker_id and not r.draining and r.addresses == list(req.addresses):
                 if not req.partial:
                     r.chunks, r.coming = None, set()  # a partial replica completed
                     r.status_addr = r.status_tag = None
-                return r.replica_id, li.complete
+                return r.replica_id, complete
         rid = self._new_id("r")
         self.registry.add_replica(Replica(
             rid, req.worker_id, req.model, req.version, req.layout, req.shard, list(req.addresses), now,
             chunks=set() if req.partial else None, num_chunks=req.num_chunks if req.partial else 0,
             status_addr=req.status_addr if req.partial else None, status_tag=req.status_tag if req.partial else None,
         ))
-        return rid, li.complete
+        return rid, complete
 
     def release_and_register(self, now: float, req: RegisterReplica) -> tuple[str, bool, dict[str, bool]]:
         """A reader ends its read in one call: release the leases it read under
@@ -436,10 +438,11 @@ class CoordinatorState:
         return len(r.chunks)
 
     def _available(self, model: str, version: int, without: set[str]) -> bool:
-        """Does some complete layout of the version have a serving replica for every shard?"""
+        """Does some complete full layout of the version (not a delta: useless without its
+        base) have a serving replica for every shard?"""
         vi = self.models[model].versions[version]
         for lname, li in vi.layouts.items():
-            if not li.complete:
+            if not li.complete or is_delta_layout(lname):
                 continue
             if all(
                 any(not r.draining and r.chunks is None and r.replica_id not in without

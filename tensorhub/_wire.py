@@ -31,6 +31,22 @@ MAX_VERSION = (1 << 53) - 1
 #: Most chunks of one shard's pipelining grid.
 MAX_CHUNKS = 1 << 22
 
+#: Layout names of deltas (``tensorhub._delta_path``) start with this: ``delta:<base>``
+#: (the delta of layout ``hf``) or ``delta:<base>:<layout>``.
+DELTA_PREFIX = "delta:"
+
+
+def delta_layout(base: int, layout: str = "hf") -> str:
+    """The layout name of the delta against v``base`` of ``layout``."""
+    return f"{DELTA_PREFIX}{base}" if layout == "hf" else f"{DELTA_PREFIX}{base}:{layout}"
+
+
+def is_delta_layout(layout: str) -> bool:
+    """A delta layout (:func:`delta_layout`): one more replica of a version for readers that
+    hold its base, never the version itself -- it alone does not complete a version."""
+    return layout.startswith(DELTA_PREFIX)
+
+
 #: dtype name -> bytes per element. Names follow torch (``torch.float32`` -> ``float32``).
 DTYPE_SIZES: dict[str, int] = {
     "float64": 8,

@@ -43,7 +43,7 @@ from ._holdings import Holdings
 from ._metrics import FetchProgress, Track, hub_metrics
 from ._session import Session
 from .config import HubConfig, parse_locality
-from ._wire import LeaseGrant, Locality, TensorSpec, VersionView
+from ._wire import DELTA_PREFIX, LeaseGrant, Locality, TensorSpec, VersionView, is_delta_layout
 from .transport import Transport
 
 __all__ = ["Hub", "Fetched", "connect", "parse_locality"]
@@ -181,7 +181,8 @@ class Hub:
 
         ``base=b``: also publish the version's delta against v``b`` (layout ``delta:<b>``,
         ``tensorhub._delta_path``), which readers holding v``b`` fetch instead of the full
-        bytes. The base is this process's replica of v``b``, or ``base_tensors`` (exactly
+        bytes. The delta is registered first: the full layout, published after it, completes
+        the version (a delta layout never does), so whoever waits for the version finds it. The base is this process's replica of v``b``, or ``base_tensors`` (exactly
         v``b``'s bytes; checked against its checksums before anything is published)."""
         self._check_open()
         if _sliced.is_sliced(tensors):
@@ -191,6 +192,9 @@ class Hub:
                                    key=key, shard=shard, num_shards=num_shards)
         shard = 0 if shard is None else shard
         num_shards = 1 if num_shards is None else num_shards
+        if isinstance(layout, str) and is_delta_layout(layout):
+            raise ConfigError(f"layout {layout!r}: names starting with {DELTA_PREFIX!r} are the deltas "
+                              "publish(base=...) makes; publish the full tensors with base= instead")
         if key is not None:
             if version is not None:
                 raise ConfigError("pass version= or key=, not both")

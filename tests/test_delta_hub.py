@@ -252,6 +252,39 @@ def test_a_delta_of_most_of_the_bytes_is_not_published(connect):
     assert f.delta is None and _same(f, w2) and f.nbytes == _full(w2)
 
 
+def test_a_delta_that_fails_still_publishes_the_full_version_and_delta_names_are_reserved(connect, monkeypatch,
+                                                                                            caplog):
+    """publish(base=) registers the delta before the full layout: an encode that fails
+    leaves no delta and no missing version; a non-contiguous tensor is refused before the
+    delta is registered (no delta-only version left behind); 'delta:' layouts are only the
+    deltas publish(base=) makes."""
+    t, r = connect("trainer"), connect("reader")
+    w1 = _weights(1)
+    t.publish("m", w1)
+    r.fetch("m", 1)
+
+    def broken(*a, **k):
+        raise RuntimeError("encoder broke")
+
+    monkeypatch.setattr(_delta, "encode", broken)
+    w2 = _step(w1, 2)
+    with caplog.at_level(logging.WARNING, logger="tensorhub._delta_path"):
+        assert t.publish("m", w2, base=1) == 2
+    assert "its delta against v1 is not published" in caplog.text and "encoder broke" in caplog.text
+    assert t.latest("m") == 2 and [k for k in t.held() if k[1] == 2] == [("m", 2, "hf", 0)]
+    f = r.fetch("m", 2)
+    assert f.delta is None and _same(f, w2) and "no direct delta" in f.delta_skipped
+    monkeypatch.undo()
+
+    odd = dict(_step(w2, 3))
+    odd["w"] = odd["w"].t()
+    with pytest.raises(ConfigError, match="not contiguous"):
+        t.publish("m", odd, base=2)
+    assert t.latest("m") == 2 and not [k for k in t.held() if k[1] > 2]
+    with pytest.raises(ConfigError, match="layout 'delta:1'.*publish the full tensors with base="):
+        t.publish("m", w2, layout="delta:1")
+
+
 def test_a_version_whose_tensors_come_in_another_order_than_its_base(connect):
     """An engine publishes v1 in its own order, the trainer v2 in another: the delta is laid
     out (and checked) in v2's order."""

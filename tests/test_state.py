@@ -74,6 +74,38 @@ def test_latest_only_returns_complete_versions():
     assert s.latest("m", newer_than=v2) is None
 
 
+def test_a_delta_layout_alone_never_completes_a_version():
+    """``publish(base=)`` registers the delta layout of v before its full layout: the full
+    layout (every shard of it) completes v, never the delta (tensorhub._delta_path)."""
+    from tensorhub._views import version_view
+    from tensorhub._wire import delta_layout
+
+    s = new_state("a", "b")
+    v1 = publish(s, 0, "a")
+    v2 = s.allocate_version(1, "m")
+    dl = delta_layout(v1)
+    for shard in (0, 1):  # the delta of both shards: its layout is complete, the version not
+        _, complete = s.register_replica(1, reg("a", "m", v2, shard=shard, num_shards=2, layout=dl))
+        assert not complete
+    assert s.catalog.take_completed() == {"m"}  # v1's, not v2's
+    assert s.latest("m") == v1 and s.latest("m", newer_than=v1) is None
+    assert s.resolve(1, "m", None) == v1
+    view = version_view(s, 1, "m", v2)
+    assert not view["complete"] and view["layouts"][dl]["complete"]  # shown, complete as a layout
+    assert [v["complete"] for v in s.status(1)["models"][0]["versions"]] == [True, False]
+    # v1's last holder may not leave: v2 has only a delta (useless without its base).
+    with pytest.raises(RetentionError, match="last replica"):
+        s.unpublish(1, "a", "m", v1)
+    # A restart restores the same answer (the rows of the etcd and SQLite stores).
+    assert CoordinatorState.restore(s.durable_rows(), CFG, now=2.0).latest("m") == v1
+    _, complete = s.register_replica(2, reg("a", "m", v2, shard=0, num_shards=2))
+    assert not complete and s.latest("m") == v1  # full shard 1 missing
+    assert not s.catalog.take_completed()
+    _, complete = s.register_replica(2, reg("b", "m", v2, shard=1, num_shards=2))
+    assert complete and s.latest("m") == v2 and s.catalog.take_completed() == {"m"}
+    assert CoordinatorState.restore(s.durable_rows(), CFG, now=3.0).latest("m") == v2
+
+
 def test_manifest_mismatch_names_first_difference():
     s = new_state("a", "b")
     v = publish(s, 0, "a")

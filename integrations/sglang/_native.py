@@ -89,10 +89,12 @@ def choose_layout(st: WorkerState, version: int) -> str:
     the delta and applies it to its copy (``Hub.fetch``), a few % of the bytes."""
     if not st.settings.native or st.layout is None:
         return "hf"
+    from tensorhub._wire import delta_layout
+
     try:
         v = version_status(st.hub, st.settings.model, version)
         if v is not None and v.layout_complete(st.layout):
-            if _delta_base_everywhere(st) and v.layout_complete(f"delta:{st.version}"):
+            if _delta_base_everywhere(st) and v.layout_complete(delta_layout(st.version)):
                 return "hf"
             return st.layout
     except Exception as e:

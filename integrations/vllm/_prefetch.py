@@ -77,7 +77,8 @@ class Prefetcher:
             t0 = time.monotonic()
             got = None
             try:
-                got = worker.fetch(st, v, into=st.take_spare())
+                spare = st.take_spare()
+                got = worker.fetch(st, v, into=spare, base=st.spare_base(spare, v))
             except Exception as e:
                 logger.warning("tensorhub: prefetching %s v%d failed (%s); the swap will fetch it", s.model, v, e)
             old = None

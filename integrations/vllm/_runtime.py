@@ -74,6 +74,13 @@ class WorkerState(worker.WorkerState):
             spare, self.spare = self.spare, None
         return spare
 
+    def spare_base(self, spare: Optional[dict], v: int) -> Optional[int]:
+        """The version ``spare`` holds, as the delta base for fetching ``v`` into it: on a rank
+        that serves nothing the kept copy is the running version's fetched copy (checked
+        against the delta's checksums before any delta is applied; a wrong one reads in full)."""
+        old = self.version
+        return old if spare is not None and not self.serving and old is not None and old < v else None
+
     def retire(self, old_v: Optional[int], old_copy: Any, reason: str = "") -> None:
         """Stop serving ``old_v`` (and copies retired earlier) and free them once their
         readers drained; a copy whose readers did not drain stays allocated for next time,

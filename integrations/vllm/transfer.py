@@ -134,9 +134,7 @@ class _Mixin:
                     spare = st.take_spare()
                     # Not serving: the spare is the running version's fetched copy (delta base;
                     # checked against its checksums before any delta is applied).
-                    got = worker.fetch(st, v, into=spare,
-                                       base=old_v if spare is not None and not st.serving and old_v is not None
-                                       and old_v < v else None)
+                    got = worker.fetch(st, v, into=spare, base=st.spare_base(spare, v))
                 load.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
                 # The parameters are served in place: no reader may be reading them when
                 # they change. Unpublish the running version (every layout) and let it drain.

@@ -10,8 +10,11 @@ torch is imported inside functions.
 
 Worker commands (``worker.call(cmd, **kw)``; the keyword arguments in brackets are optional):
 
-* ``publish(seed, nbytes, [version, layout, shard, num_shards])`` -> version;
-* ``fetch([version, serve, fetch_timeout, layout, shard, into])`` -> version, digest, sources, ...;
+* ``publish(seed, nbytes, [version, layout, shard, num_shards, base, frac])`` -> version (``base=b``: a
+  ``frac`` change of the v``b`` this worker published, published with its delta against it);
+* ``fetch([version, serve, fetch_timeout, layout, shard, into, wait_newer_than])`` -> version, digest,
+  sources, ...; ``wait_newer_than=v`` waits for a complete version newer than v and fetches it at
+  once (what an engine's prefetcher does);
   ``into={"nbytes": n}`` fetches into new caller-shaped buffers, ``"name": key`` keeps them
   in the worker, and a later ``into={"name": key}`` fetches into that same memory again;
 * ``unpublish(version, [drain_timeout, refill])`` -> seconds waited; the version's published
@@ -271,9 +274,13 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                     if spec.get("name"):
                         buffers[spec["name"]] = into
                 where = {k: kw[k] for k in ("layout", "shard") if k in kw}
+                version = kw.get("version")
+                if "wait_newer_than" in kw:  # as an engine's prefetcher: fetch the moment one is complete
+                    version = hub.wait_for_version(MODEL, newer_than=kw["wait_newer_than"],
+                                                   timeout=kw.get("wait_timeout", 60.0))
                 t0 = time.monotonic()
                 try:
-                    f = hub.fetch(MODEL, kw.get("version"), serve=kw.get("serve", True), into=into,
+                    f = hub.fetch(MODEL, version, serve=kw.get("serve", True), into=into,
                                   timeout=kw.get("fetch_timeout"), **where)
                 except Exception as e:
                     e.args = (f"{e} (after {time.monotonic() - t0:.2f}s)",)

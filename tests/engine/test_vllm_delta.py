@@ -2,13 +2,16 @@
 
 Engine A (offline ``vllm.LLM``, ``--load-format tensorhub``, ``on_missing="disk"``) loads v1
 from its weight files and serves its ``hf`` copy. The trainer (this process) publishes v2
-with ``base=1`` (a few % of the elements changed): A's swap reads only the delta, applies
-it to a copy of the v1 it serves, and its outputs equal a fresh engine's on v2's files.
-Then v3's delta is wrong (an encoder bug, consistent checksums): A's swap detects it,
-says so, reads v3 in full, and its outputs equal a fresh engine's on v3's files.
+with ``base=1`` (a few % of the elements changed): A's prefetcher (on by default; it starts
+the moment v2 is complete) reads only the delta, applies it to a copy of the v1 it serves,
+and the swap applies that copy: outputs equal a fresh engine's on v2's files.
+Then v3's delta is wrong (an encoder bug, consistent checksums): the prefetch detects it,
+says so, reads v3 in full, and outputs equal a fresh engine's on v3's files.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -49,6 +52,19 @@ def _swap(a: OfflineEngine, v: int) -> None:
     assert a.call("weight_version") == str(v)
 
 
+def _prefetched(trainer, a: OfflineEngine, worker: str, v: int, timeout: float = 90.0) -> set:
+    """Wait until ``worker``'s prefetcher (it starts once ``v`` is complete) serves ``v`` whole;
+    the layouts of ``v`` it serves then (a reader serves the deltas it read, too)."""
+    end = time.monotonic() + timeout
+    while True:
+        mine = {r.layout for r in trainer.version_info(MODEL, v).replicas
+                if r.worker_id == worker and r.partial is None}
+        if "hf" in mine:
+            return mine
+        assert time.monotonic() < end, a.log_tail(200_000)[-3000:]
+        time.sleep(0.2)
+
+
 def _reference(tmp, name: str, weights: dict) -> dict:
     c = OfflineEngine(tmp / f"{name}.log", model=str(_save_dir(tmp / name, weights)))
     try:
@@ -68,13 +84,10 @@ def test_vllm_swaps_through_a_delta_and_falls_back_on_a_bad_one(tmp_path, monkey
         w1 = make_weights(0)
         a = OfflineEngine(tmp_path / "a.log", model=str(make_model_dir(tmp_path / "v1", seed=0)),
                           load_format="tensorhub",
-                          # prefetch off: this tests the swap's own fetch through a delta. A
-                          # prefetch starts the moment the full version is complete, before
-                          # publish(base=...) has encoded and registered its delta, and reads it
-                          # in full (right bytes, more of them).
+                          # prefetch: the default. It starts the moment v2 is complete, and
+                          # publish(base=...) registers the delta before that: it reads the delta.
                           model_loader_extra_config={"coordinator": coord.url, "model": MODEL,
-                                                     "on_missing": "disk", "worker_id": "engine-a",
-                                                     "prefetch": False},
+                                                     "on_missing": "disk", "worker_id": "engine-a"},
                           weight_transfer_config={"backend": "tensorhub"})
         out1 = a.call("generate", prompts=PROMPTS)
         a.call("init_weight_transfer_engine", init_info={})
@@ -85,9 +98,13 @@ def test_vllm_swaps_through_a_delta_and_falls_back_on_a_bad_one(tmp_path, monkey
         delta = sum(s.nbytes for s in trainer.manifest(MODEL, v2, layout="delta:1"))
         full = sum(t.numel() * 4 for t in w2.values())
         assert delta < 0.15 * full
+        # Prefetched before any swap, through the delta (the reader serves the delta it read).
+        assert _prefetched(trainer, a, "engine-a", v2) == {"hf", "delta:1"}
         _swap(a, v2)
         log = a.log_tail(200_000)
         assert "through delta(s) [(1, 2)]" in log, log[-3000:]
+        line = next(l for l in log.splitlines() if f"-> v{v2}:" in l)
+        assert "prefetched before the swap" in line, line
         ref2 = _reference(tmp_path, "ref2", w2)
         assert a.call("generate", prompts=PROMPTS)["ids"] == ref2["ids"]
         assert ref2["ids"] != out1["ids"]
@@ -106,6 +123,7 @@ def test_vllm_swaps_through_a_delta_and_falls_back_on_a_bad_one(tmp_path, monkey
         w3 = _changed(w2, 3)
         v3 = trainer.publish(MODEL, w3, base=v2, base_tensors=w2)
         monkeypatch.setattr(_delta, "encode", real)
+        assert _prefetched(trainer, a, "engine-a", v3) == {"hf"}  # the bad delta is not served on
         _swap(a, v3)
         log = a.log_tail(200_000)
         assert "delta from v2 not used, reading the full version instead" in log, log[-3000:]
