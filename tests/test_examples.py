@@ -49,10 +49,12 @@ def test_elastic_join_newcomers_read_from_peers_and_every_byte_checks():
     joined = [f for f in res["fetches"] if f["phase"] == "joined"]
     assert {f["engine"] for f in joined} == {"engine-2", "engine-3"}
     size = 8 << 20
-    for f in joined:  # a newcomer got the whole version, all of it from engines already running
+    for f in joined:  # a newcomer got the whole version, all of it from peers: the engines already
+        # running, or the other newcomer's chunks it had already checked (chunk maps), never itself
         assert sum(f["sources"].values()) == size, f
         assert f["sources"].get("trainer", 0) == 0, f
-        assert set(f["sources"]) <= {"engine-0", "engine-1"}, f
+        assert set(f["sources"]) <= {"engine-0", "engine-1", "engine-2", "engine-3"} - {f["engine"]}, f
+        assert sum(n for w, n in f["sources"].items() if w in ("engine-0", "engine-1")) > 0, f
     assert res["newcomers_from_trainer"] == 0 and res["newcomers_from_peers"] == 2 * size
     # after engine-0 left, nobody read from it
     last = max(f["version"] for f in res["fetches"])

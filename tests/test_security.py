@@ -98,7 +98,7 @@ def test_heartbeat_fast_path_answers_like_the_route(embedded):
         http.post("/v1/workers", json={"worker_id": "w:1@x", "endpoint": "x:1"}).raise_for_status()
         r = http.post("/v1/workers/w:1@x/heartbeat")
         assert r.status_code == 200 and r.json() == {"epoch": embedded.coordinator.state.epoch,
-                                                      "served_leases": 0, "served_bytes": 0}
+                                                      "served_leases": 0, "served_bytes": 0, "fetches": 0}
         r = http.post("/v1/workers/ghost/heartbeat", json={})
         assert r.status_code == 404 and r.json() == {
             "code": "unknown_worker", "detail": "unknown worker 'ghost'; register again"}
