@@ -316,18 +316,8 @@ class _Fleet:
             can = readable()
             credit = min(credit + (now - last_tick) * link_bps, link_bps) if receiving else 0.0
             last_tick = now
-            while True:
-                for c in order:
-                    if len(receiving) >= DEPTH * max(1, len(sources)):
-                        break
-                    if c in can and c not in receiving:
-                        receiving.append(c)
-                if not receiving or credit < chunk_bytes:
-                    break
-                c = receiving.pop(0)
-                credit -= chunk_bytes
-                done.add(c)  # marked in its own chunk map: others see it at once
-                can.discard(c)
+            moved, credit = _move(order, can, receiving, DEPTH * max(1, len(sources)), credit, chunk_bytes)
+            done.update(moved)  # marked in its own chunk map: others see it at once
             if not refreshed and now - t0 >= FIRST_REFRESH and len(done) < n:
                 refreshed = True  # ``PipelinedReader.max_refreshes``: one
                 st, g2 = await self.call("POST leases (refresh)", "POST", "/v1/leases",
@@ -434,19 +424,10 @@ class _Fleet:
             # the link moves bytes only while something is in flight
             credit = min(credit + (now - last_tick) * link_bps, link_bps) if receiving else 0.0
             last_tick = now
-            while True:  # DEPTH batches per source in flight, the link the only limit
-                for c in order:
-                    if len(receiving) >= DEPTH * max(1, len(sources)):
-                        break
-                    if c in can and c not in receiving:
-                        receiving.append(c)
-                if not receiving or credit < chunk_bytes:
-                    break
-                c = receiving.pop(0)
-                credit -= chunk_bytes
-                done.add(c)
-                can.discard(c)
-                completed.append((c, cur or ""))
+            moved, credit = _move(order, can, receiving, DEPTH * max(1, len(sources)), credit, chunk_bytes)
+            done.update(moved)
+            completed.extend((c, cur or "") for c in moved)
+            if moved:
                 last_progress = now
             idle = not sources or len(receiving) < DEPTH * len(sources)
             if len(done) < n and now - last_refresh >= REFRESH * (1 if idle else 2):
@@ -503,6 +484,26 @@ class _Fleet:
         for lid, cs in (by_lease or {"": []}).items():
             await self.call("POST chunks", "POST", f"/v1/replicas/{pid}/chunks", {
                 "worker_id": wid, "chunks": cs, "lease_ids": [lid] if lid else [], "coming": sorted(coming)})
+
+
+def _move(order: list[int], can: set[int], receiving: list[int], slots: int, credit: float,
+          chunk_bytes: int) -> tuple[list[int], float]:
+    """One tick of a simulated reader's link: ``slots`` chunks (DEPTH batches per source) in
+    flight, the link the only limit. The chunks that landed, and the credit left."""
+    moved: list[int] = []
+    while True:
+        for c in order:
+            if len(receiving) >= slots:
+                break
+            if c in can and c not in receiving:
+                receiving.append(c)
+        if not receiving or credit < chunk_bytes:
+            break
+        c = receiving.pop(0)
+        credit -= chunk_bytes
+        can.discard(c)
+        moved.append(c)
+    return moved, credit
 
 
 def _replica_body(wid: str, model: str, v: int, man_json: bytes, addrs_json: bytes, extra: str = "") -> bytes:
