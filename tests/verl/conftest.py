@@ -45,3 +45,25 @@ def verl_plugin(tmp_path_factory):
         yield "shim"
     finally:
         sys.path.remove(str(d))
+
+
+@pytest.fixture
+def coord(tmp_path):
+    """A real coordinator process."""
+    from tensorhub.testing import CoordinatorProcess
+
+    c = CoordinatorProcess(tmp_path / "state")
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A tiny Llama config directory (no weights), as tests/engine/_tiny.py makes it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+    from _tiny import make_model_dir
+
+    d = tmp_path / "model"
+    make_model_dir(d, 0, weights=False)
+    return str(d)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
@@ -97,14 +96,6 @@ def test_coordinator_down_fails_prepare_naming_the_url():
     assert time.monotonic() - t0 < 10
 
 
-@pytest.fixture
-def coord(tmp_path):
-    c = CoordinatorProcess(tmp_path / "state")
-    c.start()
-    yield c
-    c.stop()
-
-
 def test_wrong_token_and_unknown_version_and_nothing_prefetched(tmp_path):
     tok = tmp_path / "token"
     tok.write_text("s3cret")
@@ -134,18 +125,6 @@ def test_wrong_token_and_unknown_version_and_nothing_prefetched(tmp_path):
 
 
 # ---------------------------------------------------------------------- processes: sync steps
-@pytest.fixture
-def model_dir(tmp_path):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-    from _tiny import make_model_dir
-
-    d = tmp_path / "model"
-    make_model_dir(d, 0, weights=False)
-    return str(d)
-
-
 def _check(step: dict, seed: int, layers: int = 4, cast: str | None = None) -> None:
     import torch
 

@@ -9,36 +9,14 @@ full tensor (gathered only for the comparison).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from tensorhub.testing import CoordinatorProcess
 
 from _verl_fsdp import fsdp_trainer
 from _verl_procs import BACKEND, RemoteError, rollout
 
 MB = 1 << 20
-
-
-@pytest.fixture
-def coord(tmp_path):
-    c = CoordinatorProcess(tmp_path / "state")
-    c.start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-    from _tiny import make_model_dir
-
-    d = tmp_path / "model"
-    make_model_dir(d, 0, weights=False)
-    return str(d)
 
 
 def _topology(trainers, rollouts):
