@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from tensorhub import FetchError, NotFoundError, TensorHubError
+from tensorhub._slices import SLICED
 
 __all__ = ["Receiver", "plan_buckets", "StreamStats"]
 
@@ -88,10 +89,10 @@ class _Cache:
 def _missing(info: Any) -> str:
     """Why a version is not complete, for the timeout error: the trainer ranks whose slices
     are not in (sliced publishing), else that nothing was published."""
-    sl = info.layouts.get("hf.slices")
+    sl = info.layouts.get(SLICED)
     if sl is None:
         return "did the trainer publish it?"
-    done = sorted({r.shard for r in info.replicas if r.layout == "hf.slices"})
+    done = sorted({r.shard for r in info.replicas if r.layout == SLICED})
     missing = [s for s in range(sl.num_shards) if s not in done]
     return (f"published as slices: {len(done)} of {sl.num_shards} trainer ranks registered theirs, ranks "
             f"{missing} did not (did a trainer rank fail mid-send?); no partial weights were handed over")
