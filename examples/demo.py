@@ -161,8 +161,10 @@ def free_port() -> int:
 
 # ---------------------------------------------------------------- engines
 
-# The adapter's line per fetch (load or swap), in the engine's log: its sources are exact bytes.
-_FETCHED = re.compile(r"tensorhub: fetched (\S+) v(\d+) \([^)]*\): [\d.]+ MB in ([\d.]+)s .*? from (\{[^}]*\})")
+# The adapter's line per fetch (load or swap), in the engine's log: its sources are exact bytes
+# (a start from a same-host holder's memory reads it in place: "loaded ... in place").
+_FETCHED = re.compile(r"tensorhub: (?:fetched|loaded) (\S+) v(\d+) (?:in place )?\([^)]*\): [\d.]+ MB in ([\d.]+)s "
+                      r".*? from (\{[^}]*\})")
 
 
 class Engine:

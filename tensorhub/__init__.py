@@ -36,7 +36,7 @@ from ._metrics import FetchProgress, start_metrics_server
 from ._wire import Locality
 from .config import HubConfig
 from ._sliced import Slice
-from .hub import Fetched, Hub, connect
+from .hub import Borrowed, Fetched, Hub, connect
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,7 @@ __all__ = [
     "Hub",
     "HubConfig",
     "Fetched",
+    "Borrowed",
     "Slice",
     "FetchProgress",
     "Locality",

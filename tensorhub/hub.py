@@ -30,7 +30,8 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from . import _delta_path, _holder, _sliced, _tensors
+from . import _borrow, _delta_path, _holder, _sliced, _tensors
+from ._borrow import Borrowed
 from ._client import CoordinatorClient
 from ._exceptions import (
     ConfigError, ConflictError, FetchError, HubClosedError, NotFoundError, HubTimeoutError, TensorHubError,
@@ -311,6 +312,31 @@ class Hub:
             raise
         self._account(model, layout, shard, track, f, t0)
         return f
+
+    def borrow(self, model: str, version: int, *, layout: str = "hf", shard: int = 0,
+               timeout: Optional[float] = None) -> Optional[Borrowed]:
+        """Read ``model`` v``version`` where it lies, without copying it: read-only views of
+        a same-host holder's memory (Hub-allocated: ``empty_like``, fetched copies), under a
+        read lease, valid inside ``with`` only; None (nothing held) when no replica the
+        coordinator names is on this host in such memory: then :meth:`fetch`.
+
+        >>> b = hub.borrow("policy", 3)                              # doctest: +SKIP
+        >>> if b is not None:
+        ...     with b as w:            # checked against the manifest's checksums
+        ...         model.load_weights(w.items())   # copy out what you keep
+
+        Leaving the block releases the lease (the holder may then overwrite its memory) and
+        raises :class:`~tensorhub.LeaseLapsedError` if it lapsed meanwhile: what was read may
+        have changed, read it again. Keep nothing that views the tensors past the block
+        (``Borrowed.sharing(named_tensors)`` names those that do). Waits up to ``timeout``
+        (default ``fetch_timeout``) while no replica serves."""
+        self._check_open()
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ConfigError(f"version must be a positive int, got {version!r}")
+        deadline = time.monotonic() + (self.fetch_timeout if timeout is None else timeout)
+        opts = FetchOptions(self.max_sources, self.chunk_bytes, self.progress_timeout, self.checksum)
+        with self.api.bounded(deadline + _RELEASE_GRACE):
+            return _borrow.borrow(self._session, opts, model, version, layout, shard, deadline)
 
     def _account(self, model: str, layout: str, shard: int, track: Track, f: Optional[Fetched], t0: float) -> None:
         """Count a fetch that ended (``f`` None: it failed) and report it to the coordinator."""

@@ -14,7 +14,7 @@ import tensorhub
 
 def test_public_api_is_locked():
     assert sorted(tensorhub.__all__) == sorted([
-        "connect", "Hub", "HubConfig", "Fetched", "Locality", "TensorHubError", "ConfigError", "TransportUnavailableError",
+        "connect", "Hub", "HubConfig", "Fetched", "Borrowed", "Locality", "TensorHubError", "ConfigError", "TransportUnavailableError",
         "HubClosedError", "HubTimeoutError", "CoordinatorError", "UnauthorizedError", "NotFoundError",
         "ConflictError", "ManifestMismatchError", "RetentionError", "InvalidRequestError",
         "CoordinatorUnavailableError", "TensorMismatchError", "TransferError", "FetchError",

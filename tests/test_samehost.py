@@ -145,6 +145,81 @@ def test_fds_only_for_a_valid_lease_on_that_replica(tmp_path, workers):
         coord.stop()
 
 
+def test_borrow_reads_the_holders_memory_in_place(coordinator, workers):
+    """``Hub.borrow``: the exact bytes, read where the holder keeps them (no copy at all:
+    neither a same-host copy nor a Mooncake batch); every view shares the holder's memory
+    and nothing is left once released."""
+    url = coordinator.url
+    pub = workers(url, "pub", own_transport=True)
+    v = pub.call("publish", seed=11, nbytes=32 * MiB, empty_like=True)
+    reader = workers(url, "reader", own_transport=True)
+    got = reader.call("borrow", version=v)
+    assert got is not None and got["digest"] == expected(11, 32 * MiB)
+    assert got["worker_id"] == "pub" and got["nbytes"] == 32 * MiB and got["lapsed"] is None
+    assert got["sharing"] == len(got["digest"]) and got["own"] == 0 and got["left"] == 0, got
+    s = reader.call("transport_stats")
+    assert s["copied_bytes"] == 0 and s["inner_batches"] == 0, s
+    # The lease was released: the holder may drop the version at once.
+    pub.call("publish", seed=12, nbytes=MiB, empty_like=True)
+    assert pub.call("unpublish", version=v, drain_timeout=10) < 2.0
+
+
+def test_borrow_is_none_where_memory_cannot_be_mapped(coordinator, workers):
+    """User tensors (not Hub memory) and holders on another host: nothing borrowed, nothing
+    held (the caller fetches); a corrupted replica fails its checksums in place: None too."""
+    url = coordinator.url
+    pub = workers(url, "pub", own_transport=True, locality="host=a")
+    v_plain = pub.call("publish", seed=13, nbytes=8 * MiB)
+    v_snap = pub.call("publish", seed=14, nbytes=8 * MiB, empty_like=True)
+    near = workers(url, "near", own_transport=True, locality="host=a")
+    far = workers(url, "far", own_transport=True, locality="host=b")
+    assert near.call("borrow", version=v_plain) is None
+    assert far.call("borrow", version=v_snap) is None
+    assert near.call("borrow", version=v_snap)["digest"] == expected(14, 8 * MiB)
+    pub.call("corrupt", version=v_snap)
+    assert near.call("borrow", version=v_snap) is None
+    # Nothing borrowed holds a lease: the holder unpublishes v_plain without waiting.
+    assert pub.call("unpublish", version=v_plain, drain_timeout=10) < 2.0
+
+
+def test_unpublish_waits_for_a_borrower(coordinator, workers):
+    url = coordinator.url
+    pub = workers(url, "pub", own_transport=True)
+    v1 = pub.call("publish", seed=15, nbytes=16 * MiB, empty_like=True)
+    v2 = pub.call("publish", seed=16, nbytes=16 * MiB, empty_like=True)  # v1 is not the newest
+    reader = workers(url, "reader", own_transport=True)
+    assert reader.call("borrow", version=v2)["digest"] == expected(16, 16 * MiB)  # its transport is up
+    reader.send("borrow", version=v1, hold=6.0)
+    time.sleep(2.5)  # the reader holds its borrowed lease (a busy machine: take time)
+    waited = pub.call("unpublish", version=v1, drain_timeout=60)  # then zeroes the memory
+    got = reader.result()
+    assert got["digest"] == expected(15, 16 * MiB) and got["lapsed"] is None
+    assert waited >= 2.0, f"unpublish returned after {waited:.2f}s while a borrower held its lease"
+
+
+def test_borrow_whose_lease_lapsed_says_so_at_release(tmp_path, workers):
+    """The coordinator paused past the lease's ttl while the reader holds it: renewals fail,
+    the reader's own clock runs out, and the release says the bytes cannot be trusted."""
+    import signal
+
+    coord = CoordinatorProcess(tmp_path / "state", extra=("--lease-ttl", "2", "--worker-ttl", "30"))
+    url = coord.start()
+    try:
+        pub = workers(url, "pub", own_transport=True)
+        v = pub.call("publish", seed=17, nbytes=4 * MiB, empty_like=True)
+        reader = workers(url, "reader", own_transport=True)
+        assert reader.call("borrow", version=v)["lapsed"] is None  # its transport is up
+        reader.send("borrow", version=v, hold=4.0)
+        time.sleep(0.8)
+        os.kill(coord.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(coord.pid, signal.SIGCONT)
+        got = reader.result()
+        assert got["lapsed"] and "lapsed" in got["lapsed"], got
+    finally:
+        coord.stop()
+
+
 def test_transport_copies_covered_batches_and_passes_the_rest_on():
     """Two wrapped transports in one process: a batch inside the holder's arena is copied
     (exact bytes, no Mooncake batch); one touching plain memory goes over Mooncake."""
@@ -325,3 +400,15 @@ def test_follow_learns_the_engines_prefetching_workers_from_the_engine(embedded,
     finally:
         engine.close()
         pub.close()
+
+
+def test_a_borrow_dropped_without_release_gives_its_lease_back(coordinator, workers):
+    """Misuse: a ``Borrowed`` dropped unreleased (no ``with``) is collected (its renewer
+    holds no reference to it) and its lease released, so the holder's unpublish returns."""
+    url = coordinator.url
+    pub = workers(url, "pub", own_transport=True)
+    v1 = pub.call("publish", seed=18, nbytes=4 * MiB, empty_like=True)
+    pub.call("publish", seed=19, nbytes=4 * MiB, empty_like=True)  # v1 is not the newest
+    reader = workers(url, "reader", own_transport=True)
+    assert reader.call("borrow", version=v1, drop=True) == "dropped"
+    assert pub.call("unpublish", version=v1, drain_timeout=20) < 5.0

@@ -23,8 +23,8 @@ from .settings import Settings, SettingsError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoaderMixin", "buckets", "load_into", "stream_into", "specs_of", "check_same_layout", "copy_into",
-           "layout_name"]
+__all__ = ["LoaderMixin", "buckets", "load_into", "borrow_into", "stream_into", "specs_of", "check_same_layout",
+           "copy_into", "copy_bytes", "layout_name"]
 
 
 class LoaderMixin:
@@ -96,6 +96,83 @@ def load_into(model: Any, tensors: Mapping[str, Any], limit: int, groups: Groups
         n += 1
     logger.info("tensorhub: load_weights in %d bucket(s), largest %.1f MB (limit %.1f MB)",
                 n, biggest / 1e6, limit / 1e6)
+    return n
+
+
+def borrow_into(st: Any, model: Any, version: int, limit: int) -> Optional[Any]:
+    """Start from a same-host holder's memory in place (``Hub.borrow``): feed its read-only
+    views of ``version``'s ``hf`` tensors to ``model.load_weights`` in buckets, with no copy
+    of the version of our own (``st``: the worker's ``WorkerState``). Returns the open
+    ``Borrowed`` (its lease still held, so the caller may copy from it and then release
+    it), or None when nothing was borrowed (no same-host holder in Hub memory; or the lease
+    was past its bound when ``load_weights`` returned): then read the usual way, which
+    loads every tensor again.
+
+    Safety: a model tensor that still views the borrowed memory once ``load_weights``
+    returned (an engine that kept a loaded tensor instead of copying it) is copied into
+    memory of its own before anything else happens, so the model never reads the holder's
+    memory after the lease."""
+    import tensorhub
+
+    s = st.settings
+    t0 = time.monotonic()
+    try:
+        b = st.hub.borrow(s.model, version, layout="hf", timeout=s.fetch_timeout)
+    except tensorhub.TensorHubError as e:  # the fetch says what is wrong, if anything still is
+        logger.info("tensorhub: reading %s v%d in place failed (%s); fetching it", s.model, version, e)
+        return None
+    if b is None:
+        return None
+    try:
+        t1 = time.monotonic()
+        load_into(model, b, limit, st.hooks.groups)
+        t2 = time.monotonic()
+        named = list(_named_tensors(model))
+        for name in b.sharing(named):
+            t = dict(named)[name]
+            t.data = t.data.clone()
+            logger.info("tensorhub: %s kept the loaded tensor %s itself: copied", type(model).__name__, name)
+        specs = {name: (tuple(t.shape), t.dtype) for name, t in b.items()}
+        if not b.trusted():
+            raise tensorhub.LeaseLapsedError(f"{s.model!r} v{version}: the borrowed lease passed its bound "
+                                             "during load_weights")
+    except tensorhub.LeaseLapsedError as e:
+        b.release_quietly()
+        logger.warning("tensorhub: %s; loading it again from a fetched copy", e)
+        return None
+    except BaseException:
+        b.release_quietly()
+        raise
+    st.version, st.specs = version, specs
+    logger.info("tensorhub: loaded %s v%d in place (hf): %.1f MB in %.2fs (lease + mapping + checksums %.2fs, "
+                "load_weights %.2fs) from %s: the holder's memory on this host, no copy of our own", s.model, version,
+                b.nbytes / 1e6, t2 - t0, t1 - t0, t2 - t1, {b.worker_id: b.nbytes})
+    return b
+
+
+def _named_tensors(model: Any) -> Iterator[tuple[str, Any]]:
+    """A torch module's parameters and buffers, by name (nothing for other objects)."""
+    for attr in ("named_parameters", "named_buffers"):
+        fn = getattr(model, attr, None)
+        if fn is not None:
+            yield from fn()
+
+
+def copy_bytes(dst: Mapping[str, Any], src: Mapping[str, Any]) -> int:
+    """Copy every tensor of ``src`` into ``dst``'s (same names, contiguous CPU tensors of
+    the same byte size): one ``memmove`` each, without the GIL (torch's threaded ``copy_``
+    stalls on a busy host and runs on the engine's pinned OpenMP threads). Returns bytes."""
+    import ctypes
+
+    n = 0
+    for name, s in src.items():
+        d = dst[name]
+        k = s.numel() * s.element_size()
+        if d.numel() * d.element_size() != k or not (d.is_contiguous() and s.is_contiguous()):
+            raise ValueError(f"copy_bytes: {name!r} differs in size or is not contiguous")
+        if k:
+            ctypes.memmove(d.data_ptr(), s.data_ptr(), k)
+        n += k
     return n
 
 

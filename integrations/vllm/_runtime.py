@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -25,7 +26,7 @@ from .._core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HOOKS", "WorkerState", "connect", "engine", "layer_groups"]
+__all__ = ["HOOKS", "WorkerState", "off_engine_cores", "connect", "engine", "layer_groups"]
 
 
 def engine() -> EngineRanks:
@@ -63,6 +64,7 @@ class WorkerState(worker.WorkerState):
     retired: list = field(default_factory=list)  # old (version, copy) whose readers had not drained
     spare: Optional[dict] = None  # a drained old copy (same tensors), the next swap's destination
     prefetcher: Any = None  # the _prefetch.Prefetcher of this worker (setting ``prefetch``)
+    keeper: Optional[threading.Thread] = None  # making the hf copy after a start in place (keep_borrowed)
     native_refused: bool = False  # logged once why the native layout is not served
     hooks: worker.EngineHooks = HOOKS
     _copies: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -110,10 +112,84 @@ class WorkerState(worker.WorkerState):
                         and specs_of(copy) == self.specs:
                     self.spare = dict(copy)
 
+    def keep_borrowed(self, borrowed: Any, v: int) -> None:
+        """After a start in place (``load.borrow_into``): make this serving rank's ``hf``
+        copy of ``v`` from the borrowed memory on a background thread that gives way to the
+        engine (:func:`off_engine_cores`), release the lease, register the copy (``publish``
+        of ``v``: the coordinator checks its checksums) and keep it as :attr:`copy`.
+        The engine answers requests meanwhile; it serves ``v`` once the copy is in. If the
+        lease lapsed during the copy, the copy is dropped and ``v`` fetched instead. A swap
+        waits for this first (:meth:`wait_kept`)."""
+        self.keeper = threading.Thread(target=self._keep, args=(borrowed, v), name="tensorhub-keep", daemon=True)
+        self.keeper.start()
+
+    def _keep(self, borrowed: Any, v: int) -> None:
+        import tensorhub
+
+        from .._core.load import copy_bytes
+
+        s = self.settings
+        off_engine_cores()
+        t0 = time.monotonic()
+        copy: Any = None
+        try:
+            copy = self.hub.empty_like(borrowed)  # Hub memory: same-host readers copy from it in turn
+            copy_bytes(copy, borrowed)
+            borrowed.release()
+            self.hub.publish(s.model, copy, version=v, layout="hf")
+            how = "copied from the borrowed memory"
+        except Exception as e:
+            borrowed.release_quietly()
+            copy = None
+            logger.warning("tensorhub: keeping %s v%d from the borrowed memory failed (%s); fetching it", s.model, v,
+                           e if isinstance(e, tensorhub.TensorHubError) else repr(e))
+            try:
+                copy = worker.fetch(self, v)
+                how = "fetched"
+            except Exception as e2:
+                logger.warning("tensorhub: the engine runs %s v%d but serves no hf copy of it: %s", s.model, v, e2)
+                return
+        with self._copies:
+            current = self.version == v and self.copy is None
+            if current:
+                self.copy = copy
+        if not current:
+            self.retire(v, copy, reason="the engine moved on while it was being copied")
+            return
+        logger.info("tensorhub: worker %s serves its hf copy of %s v%d (%s in the background in %.2fs)",
+                    self.hub.worker_id, s.model, v, how, time.monotonic() - t0)
+
+    def wait_kept(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) for :meth:`keep_borrowed`'s copy: a swap then finds the
+        running version's copy where it expects it."""
+        k = self.keeper
+        if k is not None:
+            k.join(timeout)
+
     def retire_later(self, old_v: Optional[int], old_copy: Any, reason: str = "") -> None:
         """:meth:`retire` on a background thread: draining readers never stalls the engine."""
         threading.Thread(target=self.retire, args=(old_v, old_copy, reason), name="tensorhub-retire",
                          daemon=True).start()
+
+
+def off_engine_cores() -> None:
+    """Make the calling thread (Linux: per thread) give way to the engine: off the cores
+    the engine's threads are pinned to (vLLM's CPU worker pins its OpenMP threads, and
+    every thread they start, to its cores; the others are left to its front-end processes),
+    onto the others (every core when it has them all), at nice 10 (the front end's start
+    goes first; unlike nice 19, a busy host still lets it finish). Best effort."""
+    import os
+
+    try:
+        mine = os.sched_getaffinity(0)
+        every = set(range(os.cpu_count() or 1))
+        os.sched_setaffinity(0, (every - mine) or every)
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def connect(settings: Settings) -> WorkerState:

@@ -6,8 +6,13 @@ Runs in every vLLM worker process (one per TP/PP rank), inside vLLM's ``get_mode
    resolve the version (the engine's root, PP stage 0's TP rank 0, decides; every rank of
    every stage loads that number), fetch it in the ``hf``
    layout and stream it through ``model.load_weights`` in buckets of at most
-   ``bucket_bytes``, cut at layer boundaries. A rank that serves no copy
-   (``serve_ranks="first"``, TP rank > 0) reads bucket by bucket into one reused buffer
+   ``bucket_bytes``, cut at layer boundaries. When a holder on this host keeps the version
+   in Hub memory (a trainer's ``empty_like`` snapshot, another engine's copy), the buckets
+   are read-only views of that memory under a read lease (``Hub.borrow``): no copy of the
+   version of our own on the way to the parameters; a serving rank makes its ``hf`` copy
+   from that memory in the background once the engine is up (then releases the lease).
+   Otherwise a rank that serves no copy (``serve_ranks="first"``, TP rank > 0) reads
+   bucket by bucket into one reused buffer
    (``Hub.fetch(names=...)``): its extra memory is one bucket, not the model. A hot-swap
    still fetches the whole version before applying it, so that a failed fetch leaves
    the old weights intact on every rank. With no complete version, ``on_missing``
@@ -52,6 +57,7 @@ def make_loader_class() -> type:
             super().__init__(load_config)
             self._pending_disk: Optional[dict] = None
             self._pending_native: Any = None
+            self._pending_borrow: Any = None  # a start in place: the lease kept until the copy is made
 
         def load_weights(self, model: Any, model_config: Any) -> None:
             with self.one_line_errors():
@@ -73,6 +79,13 @@ def make_loader_class() -> type:
                 tensors = worker.read_disk(model_config.model)
                 self._pending_disk = tensors
                 load.load_into(model, tensors, s.bucket_bytes, st.hooks.groups)
+                return
+            borrowed = load.borrow_into(st, model, v, s.bucket_bytes)
+            if borrowed is not None:  # loaded in place from a same-host holder's memory
+                if st.serving:  # its copy is made once the engine is up (load_model)
+                    self._pending_borrow = borrowed
+                else:
+                    borrowed.release_quietly()  # loaded within the lease's bound: the parameters are good
                 return
             if not st.serving:  # nothing to keep: stream buckets through one reused buffer
                 st.version, st.specs = v, load.stream_into(st, model, v, s.bucket_bytes)
@@ -110,13 +123,18 @@ def make_loader_class() -> type:
                 tensors, self._pending_disk = self._pending_disk, None
                 worker.publish_disk(st, tensors, model_config.model)
             _native.publish(st, model)
+            keeping = self._pending_borrow is not None
+            if keeping:  # the engine is up: the serving copy is made in the background
+                borrowed, self._pending_borrow = self._pending_borrow, None
+                st.keep_borrowed(borrowed, st.version)
             if self.settings.prefetch and st.prefetcher is None:
                 from ._prefetch import Prefetcher
 
                 st.prefetcher = Prefetcher(st).start()
             logger.info("tensorhub: engine worker (tp rank %d%s) runs %s v%s%s%s", st.rank,
                         f", pp stage {st.pp_rank}" if st.pp_size > 1 else "", self.settings.model,
-                        st.version, " and serves its hf copy" if st.copy is not None else "",
+                        st.version, " and serves its hf copy" if st.copy is not None else
+                        " and serves its hf copy once copied (in the background)" if keeping else "",
                         f" and its parameters as layout {st.layout}" if st.native else "")
             return model
 

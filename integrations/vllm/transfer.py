@@ -121,6 +121,7 @@ class _Mixin:
         if isinstance(requested, str) and requested.isdigit():
             requested = int(requested)
         t0 = time.monotonic()
+        st.wait_kept(s.fetch_timeout)  # a start in place still copying the running version: let it finish
         old_v = st.version
         got, err = None, None
         prefetched = False

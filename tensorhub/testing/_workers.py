@@ -290,6 +290,29 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                                   "failed_sources": f.failed_sources, "nbytes": f.nbytes,
                                   "seconds": f.seconds, "delta": None if d is None else d.steps,
                                   "delta_skipped": f.delta_skipped}))
+            elif cmd == "borrow":  # read in place (same host): digest inside the block, then release
+                b = hub.borrow(MODEL, kw["version"], timeout=kw.get("fetch_timeout"))
+                if b is None:
+                    conn.send(("ok", None))
+                    continue
+                if kw.get("drop"):  # misuse: never released; collected at once (no cycle holds it)
+                    del b
+                    conn.send(("ok", "dropped"))
+                    continue
+                lapsed = None
+                with b:
+                    d = digest(b)
+                    kept = dict(b)  # views of the holder's memory: `sharing` must name them all
+                    sharing = b.sharing(kept.items())
+                    own = b.sharing([(k, t.clone()) for k, t in kept.items()])  # copies share nothing
+                    del kept
+                    time.sleep(kw.get("hold", 0.0))
+                    try:
+                        b.release()
+                    except tensorhub.LeaseLapsedError as e:
+                        lapsed = str(e)
+                conn.send(("ok", {"digest": d, "worker_id": b.worker_id, "nbytes": b.nbytes, "sharing": len(sharing),
+                                  "own": len(own), "lapsed": lapsed, "left": len(b)}))
             elif cmd == "unpublish":
                 t0 = time.monotonic()
                 hub.unpublish(MODEL, kw["version"], timeout=kw.get("drain_timeout"))

@@ -463,6 +463,32 @@ class SameHostTransport(Transport):
             for k in [k for k in self._mapped if k[0] in lease_ids]:
                 del self._mapped[k]
 
+    def map_regions(self, src: Any, regions: Sequence[tuple[int, int]]) -> Optional[list[Any]]:
+        """Read-only uint8 views of ``regions`` (``(address, nbytes)`` in source ``src``'s
+        memory, a ``_reader.Source`` under its lease) in our mapping of its arenas, for
+        ``Hub.borrow`` (``_borrow``); a zero-byte region gives None. None when ``src`` is
+        not on this host or any region lies outside its arenas. Valid while the lease is."""
+        m = self._arenas(src)
+        if not m.arenas:
+            return None
+        out: list[Any] = []
+        for addr, n in regions:
+            if n == 0:
+                out.append(None)
+                continue
+            a = m.find(addr, n)
+            if a is None:
+                return None
+            base, _, view = a
+            out.append(view[addr - base:addr - base + n])
+        return out
+
+    def mapped_ranges(self, src: Any) -> list[tuple[int, int]]:
+        """``(local address, nbytes)`` of our mappings of ``src``'s arenas (``map_regions``)."""
+        with self._mlock:
+            m = self._mapped.get((src.lease_id, src.replica_id))
+        return [] if m is None else [(v.data_ptr(), v.numel()) for _, _, v in m.arenas]
+
     def submit_from(self, src: Any, ops: Sequence[ReadOp]) -> int:
         """Read ``ops`` from source ``src`` (a ``_reader.Source``): copied from the holder's
         arenas when it is on this host and they cover every op, else by ``inner``."""

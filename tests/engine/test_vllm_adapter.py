@@ -242,7 +242,10 @@ def test_tp2_engine_loads_from_peers(fleet):
     ref = fleet.get("v2_ref")
     if ref is None:
         pytest.fail("needs test_hot_swap_offline_and_http to have run first")
-    tp = OfflineEngine(fleet["tmp"] / "tp2.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    # TENSORHUB_SAMEHOST=0: A's and B's copies are Hub memory on this host, which the ranks would
+    # read in place (test_vllm_samehost_start.py); this test is about the copying paths: rank 0
+    # fetches and serves its copy, rank 1 streams through one bucket-sized buffer.
+    tp = OfflineEngine(fleet["tmp"] / "tp2.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "TENSORHUB_SAMEHOST": "0"},
                        model=str(fleet["dir_bare"]), tensor_parallel_size=2, load_format="tensorhub",
                        model_loader_extra_config={"coordinator": fleet["url"], "model": MODEL,
                                                   "version": 2, "worker_id": "engine-tp", **SWAP_FETCHES},

@@ -169,3 +169,78 @@ def test_prefetch_fetches_new_versions_while_the_engine_runs_the_old_one(hubs):
         assert got4 is not None and digest(dict(got4)) == digest(w[4])
     finally:
         pf.stop()
+
+
+class Keeper(torch.nn.Module):
+    """Stands in for a model whose ``load_weights`` copies most tensors into its parameters
+    but keeps one loaded tensor itself (as a buffer): the case ``borrow_into`` must catch."""
+
+    def __init__(self, w: dict, kept: str) -> None:
+        super().__init__()
+        self.names = {n: f"p{i}" for i, n in enumerate(w)}
+        for n, t in w.items():
+            if n != kept:
+                self.register_parameter(self.names[n], torch.nn.Parameter(torch.empty_like(t), requires_grad=False))
+        self.kept = kept
+
+    def load_weights(self, weights) -> None:
+        for n, t in weights:
+            if n == self.kept:
+                self.register_buffer("kept_tensor", t)  # the loaded tensor itself, no copy
+            else:
+                getattr(self, self.names[n]).data.copy_(t)
+
+    def weights(self) -> dict:
+        out = {n: getattr(self, p).detach() for n, p in self.names.items() if n != self.kept}
+        out[self.kept] = self.kept_tensor
+        return out
+
+
+def test_borrow_into_loads_in_place_then_the_kept_copy_serves(embedded, caplog):
+    """A same-host trainer's ``empty_like`` snapshot (real Mooncake + same-host transports,
+    two Hubs in this process): the rank loads it in place (no fetch, nothing held), a tensor
+    the model kept is copied before the lease ends, and the background copy is registered
+    with every byte; the trainer then drops and zeroes its memory: the model is unchanged."""
+    url = embedded.url
+    trainer = tensorhub.connect(url, worker_id="trainer", heartbeat_interval=0.2)
+    rank = tensorhub.connect(url, worker_id="rank0", heartbeat_interval=0.2)
+    try:
+        w = _llama_like(5)
+        snap = trainer.empty_like(w)
+        for k, t in w.items():
+            snap[k].copy_(t)
+        v = trainer.publish("policy", snap)
+        s = Settings.from_config({"coordinator": url, "model": "policy", "bucket_bytes": 200_000})
+        st = _runtime.WorkerState(s, rank, serving=True)
+        model = Keeper(w, kept="model.layers.1.mlp.up_proj.weight")
+        with caplog.at_level("INFO", logger="integrations._core.load"):
+            b = load.borrow_into(st, model, v, s.bucket_bytes)
+        assert b is not None and b.trusted()
+        assert digest(model.weights()) == digest(w) and st.version == v and st.specs == load.specs_of(w)
+        assert b.sharing(model.named_buffers()) == [] and b.sharing(model.named_parameters()) == []
+        assert any("Keeper kept the loaded tensor kept_tensor itself" in r.getMessage()
+                   for r in caplog.records)
+        assert rank.held() == []  # nothing of its own yet
+        st.keep_borrowed(b, v)
+        st.wait_kept(60)
+        assert st.copy is not None and digest(st.copy) == digest(w)
+        assert rank.held() == [("policy", v, "hf", 0)]
+        trainer.unpublish("policy", v, timeout=10)  # the lease was released: no wait
+        for t in snap.values():
+            t.zero_()
+        assert digest(model.weights()) == digest(w)  # nothing of the model viewed the trainer's memory
+        got = trainer.fetch("policy", v, serve=False)
+        assert set(got.sources) == {"rank0"} and digest(got) == digest(w)
+    finally:
+        rank.close()
+        trainer.close()
+
+
+def test_borrow_into_is_none_without_a_same_host_holder(hubs):
+    """The in-memory transport (as a remote holder): nothing borrowed, nothing loaded."""
+    url, make = hubs
+    v = make("trainer").publish("policy", _llama_like(2))
+    st = _runtime.WorkerState(Settings.from_config({"coordinator": url, "model": "policy"}), make("rank0"))
+    model = Recorder()
+    assert load.borrow_into(st, model, v, 1 << 20) is None
+    assert model.calls == [] and st.version is None
