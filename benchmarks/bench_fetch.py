@@ -20,6 +20,23 @@ same run and interleaved round by round:
 Prints GB/s (median of the rounds) and the ratios, writes JSON.
 
     python benchmarks/bench_fetch.py [--gib 1] [--rounds 5] [--json out/bench_fetch.json]
+
+``--remote`` (root, iproute2): across a shaped link instead. The publisher (a Hub holding
+the version) runs on one host of the emulated testbed (``benchmarks/testbed.py``: network
+namespaces, veth links shaped with ``tc tbf`` at ``--rate`` both ways), the reader on
+another, the coordinator in the testbed's core namespace (reachable from both). The
+reader runs, interleaved round by round (the order rotating):
+
+* ``tensorhub`` -- ``hub.fetch(..., into=preallocated, serve=False)`` across the link,
+* ``mooncake`` -- raw Mooncake across the same link, tuned as above (the same sweep,
+  which includes our reader's chunk size and depth), from the publisher's memory,
+* ``tcp`` -- one plain TCP socket streaming the same bytes (``sendall`` / ``recv_into``).
+
+Every read is checked byte for byte after it (the destination zeroed before it). Prints
+GB/s medians and tensorhub / tuned raw Mooncake, writes JSON (default
+``out/bench_fetch_remote.json``); the testbed is removed at the end.
+
+    sudo python benchmarks/bench_fetch.py --remote [--rate 2gbit] [--gib 0.25] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -33,8 +50,78 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("GLOG_minloglevel", "2")
+
+
+MiB = 1 << 20
+
+
+def _weights(torch, nbytes: int) -> dict:
+    """The benchmark's version: 16 tensors, contents fixed (cheap to make and to check)."""
+    per = nbytes // 16 // 4
+    return {f"layers.{i}.weight": torch.arange(per, dtype=torch.int32).add_(i * 7919).view(torch.float32)
+            for i in range(16)}
+
+
+def _size(gib: float) -> int:
+    return int(gib * (1 << 30)) // (16 * 4) * 16 * 4
+
+
+def raw_read(engine, peer: str, base: int, addrs: list[int], sizes: list[int], chunk: int, depth: int) -> float:
+    """Raw Mooncake as our reader drives it: one-entry async batches of ``chunk`` bytes,
+    ``depth`` in flight, completion polled with a short growing sleep; reads the tensors at
+    ``addrs`` on ``peer`` into local memory from ``base`` on. Returns the seconds it took."""
+    todo, off = [], 0
+    for a, s in zip(addrs, sizes):
+        for o in range(0, s, chunk):
+            todo.append((base + off + o, a + o, min(chunk, s - o)))
+        off += s
+    todo.reverse()
+    inflight: list[int] = []
+    t0 = time.perf_counter()
+    sleep = 0.00025
+    while todo or inflight:
+        while todo and len(inflight) < depth:
+            loc, rem, n = todo.pop()
+            bid = engine.batch_transfer_async_read(peer, [loc], [rem], [n])
+            if bid <= 0:
+                raise RuntimeError("raw Mooncake submit failed")
+            inflight.append(bid)
+        done = False
+        for bid in list(inflight):
+            st = engine.transfer_check_status(bid)
+            if st == 1:
+                inflight.remove(bid)
+                done = True
+            elif st < 0 and st != -2:
+                raise RuntimeError(f"raw Mooncake read failed: {st}")
+        if done:
+            sleep = 0.00025
+        else:
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.002)
+    return time.perf_counter() - t0
+
+
+def tune(engine, peer: str, base: int, addrs: list[int], sizes: list[int], say=print,
+         sweep_out: Optional[dict] = None) -> tuple[int, int]:
+    """The baseline's settings: the best (chunk bytes, depth) of a small sweep, each tried
+    twice: 16 and 64 MiB and our reader's chunk (the shard's grid) x depth 2, 4, 8.
+    ``sweep_out`` gets each setting's best seconds ("<MiB>x<depth>")."""
+    from tensorhub._grid import grid_chunk_bytes
+
+    chunks = sorted({16 * MiB, 64 * MiB, grid_chunk_bytes(sum(sizes))})
+    best = {(c, d): min(raw_read(engine, peer, base, addrs, sizes, c, d) for _ in range(2))
+            for c in chunks for d in (2, 4, 8)}
+    tuned = min(best, key=best.__getitem__)
+    if sweep_out is not None:
+        sweep_out.update({f"{c >> 20}x{d}": t for (c, d), t in best.items()})
+    say(f"raw Mooncake tuned: {tuned[0] >> 20} MiB chunks, depth {tuned[1]} (sweep, GB/s: "
+        + ", ".join(f"{c >> 20}x{d} {sum(sizes) / t / 1e9:.3f}" for (c, d), t in best.items())
+        + f"; our reader: {grid_chunk_bytes(sum(sizes)) >> 20} MiB x 2)")
+    return tuned
 
 
 def publisher(url: str, nbytes: int, conn) -> None:  # pragma: no cover - child process
@@ -43,10 +130,7 @@ def publisher(url: str, nbytes: int, conn) -> None:  # pragma: no cover - child 
 
     import tensorhub
 
-    n = 16
-    per = nbytes // n // 4
-    weights = {f"layers.{i}.weight": torch.arange(per, dtype=torch.int32).add_(i * 7919).view(torch.float32)
-               for i in range(n)}
+    weights = _weights(torch, nbytes)
     hub = tensorhub.connect(url, worker_id="bench-publisher")
     v = hub.publish("bench", weights)
     # The same bytes in Hub-allocated memory (hub.empty_like): same-host readers copy them.
@@ -59,19 +143,13 @@ def publisher(url: str, nbytes: int, conn) -> None:  # pragma: no cover - child 
     hub.close()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=1.0, help="version size in GiB")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--json", default="out/bench_fetch.json")
-    args = ap.parse_args()
-
+def loopback(args: argparse.Namespace) -> int:
     import torch
 
     import tensorhub
     from tensorhub.coordinator import EmbeddedCoordinator
 
-    nbytes = int(args.gib * (1 << 30)) // (16 * 4) * 16 * 4
+    nbytes = _size(args.gib)
     with tempfile.TemporaryDirectory() as state, EmbeddedCoordinator(state) as coord:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
@@ -107,48 +185,11 @@ def main() -> int:
             flat_dst.copy_(flat_src)
             return time.perf_counter() - t0
 
-        def raw_read(chunk: int, depth: int) -> float:
-            """Raw Mooncake as our reader drives it: one-entry async batches of ``chunk``
-            bytes, ``depth`` in flight, completion polled with a short growing sleep."""
-            todo, off = [], 0
-            for a, s in zip(addrs, sizes):
-                for o in range(0, s, chunk):
-                    todo.append((raw_dst.data_ptr() + off + o, a + o, min(chunk, s - o)))
-                off += s
-            todo.reverse()
-            inflight: list[int] = []
-            t0 = time.perf_counter()
-            sleep = 0.00025
-            while todo or inflight:
-                while todo and len(inflight) < depth:
-                    loc, rem, n = todo.pop()
-                    bid = raw.batch_transfer_async_read(endpoint, [loc], [rem], [n])
-                    if bid <= 0:
-                        raise RuntimeError("raw Mooncake submit failed")
-                    inflight.append(bid)
-                done = False
-                for bid in list(inflight):
-                    st = raw.transfer_check_status(bid)
-                    if st == 1:
-                        inflight.remove(bid)
-                        done = True
-                    elif st < 0 and st != -2:
-                        raise RuntimeError(f"raw Mooncake read failed: {st}")
-                if done:
-                    sleep = 0.00025
-                else:
-                    time.sleep(sleep)
-                    sleep = min(sleep * 2, 0.002)
-            return time.perf_counter() - t0
-
-        # Tune the baseline: best of a small sweep of chunk size x depth (ours: 64 MiB x 2).
-        sweep = [(c << 20, d) for c in (16, 64) for d in (2, 4, 8)]
-        tuned = min(sweep, key=lambda cd: min(raw_read(*cd) for _ in range(2)))
-        print(f"raw Mooncake tuned: {tuned[0] >> 20} MiB chunks, depth {tuned[1]} "
-              f"(sweep {[(c >> 20, d) for c, d in sweep]})", flush=True)
+        # Tune the baseline: best of a small sweep of chunk size x depth (ours: the grid x 2).
+        tuned = tune(raw, endpoint, raw_dst.data_ptr(), addrs, sizes)
 
         def t_mooncake() -> float:
-            return raw_read(*tuned)
+            return raw_read(raw, endpoint, raw_dst.data_ptr(), addrs, sizes, *tuned)
 
         def t_mooncake_sync() -> float:
             t0 = time.perf_counter()
@@ -244,6 +285,218 @@ def main() -> int:
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
     return 0
+
+
+
+# ---------------------------------------------------------------- --remote (the testbed)
+def _say(**kw) -> None:
+    sys.stdout.write(json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def remote_publisher(argv: list[str]) -> int:  # pragma: no cover - runs in a testbed namespace
+    """Holds the version in a Hub, and streams the same bytes to whoever connects to its
+    TCP port (the socket baseline). Says where both are, then waits for a line on stdin."""
+    import socket
+    import threading
+
+    import torch
+
+    import tensorhub
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--bytes", type=int, required=True)
+    a = ap.parse_args(argv)
+    weights = _weights(torch, a.bytes)
+    hub = tensorhub.connect(a.url, worker_id="bench-publisher", locality="dc=a,zone=z,host=publisher")
+    v = hub.publish("bench", weights)
+    host = hub.endpoint.rsplit(":", 1)[0]
+    srv = socket.create_server((host, 0))
+
+    def stream() -> None:
+        while True:
+            c, _ = srv.accept()
+            with c:
+                for t in weights.values():
+                    c.sendall(memoryview(t.numpy()).cast("B"))
+
+    threading.Thread(target=stream, daemon=True).start()
+    _say(version=v, endpoint=hub.endpoint, tcp=[host, srv.getsockname()[1]],
+         addrs=[t.data_ptr() for t in weights.values()], sizes=[t.nbytes for t in weights.values()])
+    sys.stdin.readline()
+    hub.close()
+    return 0
+
+
+def remote_reader(argv: list[str]) -> int:  # pragma: no cover - runs in a testbed namespace
+    """Tunes raw Mooncake, then reads the version ``--rounds`` times each way, interleaved,
+    checking every read's bytes. Says the seconds (and whether every read matched)."""
+    import socket
+
+    import torch
+
+    import tensorhub
+    from mooncake.engine import TransferEngine
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--ip", required=True)
+    ap.add_argument("--rounds", type=int, required=True)
+    ap.add_argument("--pub", required=True, help="the publisher's answer (JSON)")
+    a = ap.parse_args(argv)
+    pub = json.loads(a.pub)
+    addrs, sizes, endpoint = pub["addrs"], pub["sizes"], pub["endpoint"]
+    nbytes = sum(sizes)
+    want = torch.cat([t.view(torch.int32) for t in _weights(torch, nbytes).values()])
+
+    hub = tensorhub.connect(a.url, worker_id="bench-reader", locality="dc=a,zone=z,host=reader")
+    hub.endpoint  # the data plane up now, not inside a timed fetch
+    dst = {f"layers.{i}.weight": torch.zeros(s // 4, dtype=torch.float32) for i, s in enumerate(sizes)}
+    raw = TransferEngine()
+    if raw.initialize(a.ip, "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("raw Mooncake engine did not initialize")
+    raw_dst = torch.zeros(nbytes // 4, dtype=torch.int32)
+    if raw.register_memory(raw_dst.data_ptr(), raw_dst.nbytes) != 0:
+        raise RuntimeError("raw Mooncake register_memory failed")
+    tcp_dst = torch.zeros(nbytes // 4, dtype=torch.int32)
+    tcp_view = memoryview(tcp_dst.numpy()).cast("B")
+
+    loop: list[float] = []  # of each fetch: the seconds in its chunk loop (the rest: lease, release, setup)
+
+    def t_fetch() -> float:
+        t0 = time.perf_counter()
+        f = hub.fetch("bench", pub["version"], into=dst, serve=False)
+        dt = time.perf_counter() - t0
+        loop.append(f.seconds)
+        return dt
+
+    def t_mooncake() -> float:
+        return raw_read(raw, endpoint, raw_dst.data_ptr(), addrs, sizes, *tuned)
+
+    def t_tcp() -> float:
+        t0 = time.perf_counter()
+        with socket.create_connection(tuple(pub["tcp"])) as c:
+            got = 0
+            while got < nbytes:
+                n = c.recv_into(tcp_view[got:], min(nbytes - got, 8 * MiB))
+                if n == 0:
+                    raise RuntimeError(f"the publisher's stream ended after {got} of {nbytes} bytes")
+                got += n
+        return time.perf_counter() - t0
+
+    def fetched():
+        return torch.cat([t.view(torch.int32) for t in dst.values()])
+
+    def zero_dst():
+        for t in dst.values():
+            t.zero_()
+
+    flat = {"tensorhub": fetched, "mooncake": lambda: raw_dst, "tcp": lambda: tcp_dst}
+    zero = {"tensorhub": zero_dst, "mooncake": raw_dst.zero_, "tcp": tcp_dst.zero_}
+    cases = {"tensorhub": t_fetch, "mooncake": t_mooncake, "tcp": t_tcp}
+    sweep: dict[str, float] = {}
+    tuned = tune(raw, endpoint, raw_dst.data_ptr(), addrs, sizes, say=lambda m: _say(progress=m), sweep_out=sweep)
+    for fn in cases.values():  # warm up connections
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    bad: dict[str, int] = {k: 0 for k in cases}
+    names = list(cases)
+    tr = hub._session.transport()
+    for r in range(a.rounds):
+        for k in names[r % len(names):] + names[: r % len(names)]:  # the order rotates
+            zero[k]()
+            times[k].append(cases[k]())
+            bad[k] += not torch.equal(flat[k](), want)
+        _say(progress=f"round {r + 1}: " + ", ".join(f"{k} {nbytes / times[k][-1] / 1e9:.3f} GB/s"
+                                                     for k in names))
+    _say(seconds=times, bad_reads=bad, tuned=list(tuned), tensorhub_loop_seconds=loop[-a.rounds:], sweep=sweep,
+         samehost_copied=getattr(tr, "copied_bytes", 0))  # 0: every fetch went over the link
+    hub.close()
+    return 0
+
+
+def remote(args: argparse.Namespace) -> int:
+    """The driver: builds a two-host testbed, runs the publisher and the reader in it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import testbed
+
+    ok, why = testbed.available()
+    if not ok:
+        print(f"testbed unavailable: {why}")
+        return 2
+    nbytes = _size(args.gib)
+    me = str(Path(__file__).resolve())
+    logs = Path(args.json).parent
+    logs.mkdir(parents=True, exist_ok=True)
+    with testbed.Testbed({"a": 2}, host_rate=args.rate) as tb, tempfile.TemporaryDirectory() as state:
+        url = tb.start_coordinator(state)
+        pub_p = tb.spawn("a0", [sys.executable, me, "remote-publisher", "--url", url, "--bytes", str(nbytes)],
+                         stderr=open(logs / "bench_fetch_remote.publisher.log", "w"))
+        line = pub_p.stdout.readline()
+        if not line:
+            raise RuntimeError("the publisher exited before it published")
+        pub = json.loads(line)
+        rd = tb.spawn("a1", [sys.executable, me, "remote-reader", "--url", url, "--ip", tb.hosts["a1"]["ip"],
+                             "--rounds", str(args.rounds), "--pub", line.strip()],
+                      stderr=open(logs / "bench_fetch_remote.reader.log", "w"))
+        while True:
+            out = rd.stdout.readline()
+            if not out:
+                raise RuntimeError(f"the reader exited before it answered (see {logs}/bench_fetch_remote.reader.log)")
+            got = json.loads(out)
+            if "progress" not in got:
+                break
+            print(f"  {got['progress']}", flush=True)
+        pub_p.stdin.write("done\n")
+        pub_p.stdin.flush()
+        pub_p.wait(30)
+        rd.wait(30)
+    times = got["seconds"]
+    gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    result = {
+        "mode": "remote", "bytes": nbytes, "rounds": args.rounds, "rate": args.rate,
+        "tuned": {"chunk_bytes": got["tuned"][0], "depth": got["tuned"][1]},
+        "gbps": gbps, "seconds": times, "bad_reads": got["bad_reads"],
+        "tensorhub_loop_seconds": got["tensorhub_loop_seconds"], "sweep_seconds": got["sweep"],
+        "bytes_ok": not any(got["bad_reads"].values()),
+        "over_the_link": got["samehost_copied"] == 0 and pub["endpoint"].split(":")[0] != "127.0.0.1",
+        "ratio_tensorhub_vs_mooncake": gbps["tensorhub"] / gbps["mooncake"],
+        "ratio_tcp_vs_mooncake": gbps["tcp"] / gbps["mooncake"],
+    }
+    print(f"remote: {nbytes / MiB:.0f} MiB across a {args.rate} link (tc tbf, both ways), {args.rounds} rounds, "
+          f"medians; raw Mooncake tuned to {got['tuned'][0] >> 20} MiB x depth {got['tuned'][1]}")
+    print(f"{'path':<18}{'GB/s':>8}{'vs raw mooncake':>18}")
+    for k, g in gbps.items():
+        print(f"{k:<18}{g:>8.3f}{g / gbps['mooncake']:>17.3f}x")
+    lo = statistics.median(got["tensorhub_loop_seconds"])
+    print(f"tensorhub: {statistics.median(times['tensorhub']) * 1e3:.1f} ms per fetch (median), {lo * 1e3:.1f} ms of "
+          f"it in the chunk loop (the rest: lease, memory registration, release)")
+    r = result["ratio_tensorhub_vs_mooncake"]
+    print(f"tensorhub fetch / tuned raw Mooncake = {r:.3f}x (target >= 0.95x): {'PASS' if r >= 0.95 else 'MISS'}")
+    print(f"bytes checked after every read: {'all matched' if result['bytes_ok'] else got['bad_reads']}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return 0 if result["bytes_ok"] and result["over_the_link"] else 1
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] in ("remote-publisher", "remote-reader"):
+        return {"remote-publisher": remote_publisher, "remote-reader": remote_reader}[sys.argv[1]](sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=None, help="version size in GiB (default 1; --remote 0.25)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--remote", action="store_true",
+                    help="publisher and reader on two hosts of the netns testbed, joined by a shaped link")
+    ap.add_argument("--rate", default="2gbit", help="--remote: the link's rate (tc tbf), both ways")
+    ap.add_argument("--json", default=None, help="default out/bench_fetch.json (--remote: bench_fetch_remote.json)")
+    args = ap.parse_args()
+    if args.gib is None:
+        args.gib = 0.25 if args.remote else 1.0
+    if args.json is None:
+        args.json = "out/bench_fetch_remote.json" if args.remote else "out/bench_fetch.json"
+    return remote(args) if args.remote else loopback(args)
 
 
 if __name__ == "__main__":

@@ -194,10 +194,10 @@ class Testbed:
         is ``(tb.hosts[host]["ns"], "eth0")``."""
         return self.core, self.hosts[host]["port"]
 
-    def start_coordinator(self, state_dir: str, *, planner: str = "topology") -> str:
+    def start_coordinator(self, state_dir: str, *, planner: str = "topology", plans: bool = True) -> str:
         p = self.spawn("core", [sys.executable, "-m", "tensorhub", "coordinator", "--host", self.coordinator_ip,
                                 "--port", "0", "--state-dir", state_dir, "--planner", planner,
-                                "--log-level", "warning"])
+                                "--log-level", "warning"] + ([] if plans else ["--no-plans"]))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             line = p.stdout.readline()

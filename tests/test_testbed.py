@@ -7,30 +7,13 @@ namespace is gone afterwards."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _netns import MARKS, namespaces as _namespaces, testbed
 
-import os
-
-import testbed  # noqa: E402  (benchmarks/testbed.py)
-
-_ok, _why = testbed.available()
-# CI runs as root with iproute2 installed by scripts/setup.sh: there, a missing testbed fails.
-if not _ok and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-    raise RuntimeError(f"the testbed must run in CI: {_why}")
-
-pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(not _ok, reason=f"testbed unavailable: {_why}")]
-
-
-def _namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
+pytestmark = MARKS
 
 
 def test_two_datacenters_four_hosts_one_crossing_and_clean_exit(tmp_path):
