@@ -238,7 +238,7 @@ class Catalog:
             self._writes.append(("manifest", (req.model, req.version, req.layout, req.shard), req.manifest))
             if li.complete and not is_delta_layout(req.layout) and self.models[req.model].completed(req.version):
                 self._completed.add(req.model)
-        else:
+        elif req.manifest is not known:  # (registered by digest: the very manifest, nothing to compare)
             diff = first_difference(known, req.manifest)
             if diff is not None:
                 raise ManifestMismatchError(

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 from ._catalog import Catalog
 from ._exceptions import CoordinatorError
+from ._manifest_cache import LeaseAnswers, ManifestCache
 from ._metrics import CoordinatorMetrics
 from ._state import CoordinatorState, StateConfig
 from ._store import SqliteStore
@@ -85,6 +86,11 @@ class Coordinator:
         self.lock = threading.Lock()
         #: ``latest?wait=`` requests, woken when their model's newest version changes.
         self.watch = _Watch()
+        #: ``GET .../manifest`` answers, encoded once per shard (``_manifest_cache``); a
+        #: retired version's entries are dropped when its retirement is applied.
+        self.manifests = ManifestCache()
+        #: ``POST /v1/leases`` answers: each source replica's addresses encoded once.
+        self.lease_answers = LeaseAnswers()
         #: Group commit: writes queued (in order) since the last commit; the sequence
         #: number of the newest queued batch, and of the newest durable one; batches the
         #: store refused (lo, hi, the error their callers get).
@@ -122,6 +128,7 @@ class Coordinator:
     def _elected(self, fence: int) -> None:
         with self.lock:
             self.state = CoordinatorState.restore(self.store.load(), self.config, now=self.clock())
+            self.manifests.clear()
             self.serving = True
         logger.warning("coordinator epoch %s leads on %s (%d models restored)",
                        self.state.epoch, self.store.path, len(self.state.models))
@@ -188,6 +195,9 @@ class Coordinator:
                 if writes:
                     self._seq += 1
                     self._queued.append(writes)
+                    for table, key, _ in writes:
+                        if table == "retire":
+                            self.manifests.forget(*key)
             return result, self._seq
 
     def sync(self, seq: int) -> None:
@@ -237,6 +247,7 @@ class Coordinator:
         """Memory ran ahead of disk: the catalog is read back from the store; the soft
         registry (and everything else in memory) stays."""
         self.state.catalog = Catalog.restore(self.store.load())
+        self.manifests.clear()
 
     def expire(self) -> None:
         """The periodic tick: dead workers, lapsed leases, retention (its writes committed)."""

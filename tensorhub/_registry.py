@@ -129,6 +129,10 @@ class Registry:
         self._leases_of_shard: dict[ShardKey, dict[str, None]] = {}
         self._leases_of_worker: dict[str, dict[str, None]] = {}
         self._leases_naming: dict[str, dict[str, None]] = {}  # replica id -> ids of leases naming it
+        #: replica id -> a lower bound of the expiry of the leases naming it: while it is
+        #: not past, every one of them is unlapsed and ``load`` is their count, no scan.
+        #: (Leases only ever get later expiries, by renewal: the bound stays a bound.)
+        self._naming_floor: dict[str, float] = {}
 
     # ----------------------------------------------------------------- replicas
     def add_replica(self, r: Replica) -> None:
@@ -181,13 +185,19 @@ class Registry:
         _add(self._leases_of_worker, l.worker_id, l.lease_id)
         _add(self._leases_of_version, (l.model, l.version), l.lease_id)
         for rid in l.replica_ids:
-            _add(self._leases_naming, rid, l.lease_id)
+            self._name(rid, l)
+
+    def _name(self, rid: str, l: Lease) -> None:
+        _add(self._leases_naming, rid, l.lease_id)
+        floor = self._naming_floor.get(rid)
+        if floor is None or l.expires < floor:
+            self._naming_floor[rid] = l.expires
 
     def name_replicas(self, l: Lease, ids: Iterable[str]) -> None:
         """A refreshed lease also names ``ids`` (it keeps naming the earlier ones)."""
         l.replica_ids = tuple(dict.fromkeys(l.replica_ids + tuple(ids)))
         for rid in l.replica_ids:
-            _add(self._leases_naming, rid, l.lease_id)
+            self._name(rid, l)
 
     def drop_lease(self, lid: str) -> Optional[Lease]:
         l = self.leases.pop(lid, None)
@@ -198,6 +208,8 @@ class Registry:
         _discard(self._leases_of_version, (l.model, l.version), lid)
         for rid in l.replica_ids:
             _discard(self._leases_naming, rid, lid)
+            if rid not in self._leases_naming:
+                self._naming_floor.pop(rid, None)
         return l
 
     def leases_of_shard(self, key: ShardKey) -> list[Lease]:
@@ -214,6 +226,23 @@ class Registry:
                 if lid not in seen:
                     seen.add(lid)
                     yield self.leases[lid]
+
+    def load(self, rid: str, now: float, but: Optional[Lease] = None) -> int:
+        """How many unlapsed leases (other than ``but``) name replica ``rid``. O(1) while
+        none of them has lapsed (the usual case); a scan otherwise, which renews the bound."""
+        naming = self._leases_naming.get(rid)
+        if not naming:
+            return 0
+        if self._naming_floor[rid] >= now:  # none lapsed
+            return len(naming) - (but is not None and but.lease_id in naming and but.expires >= now)
+        leases, n, floor = self.leases, 0, float("inf")
+        for lid in naming:
+            l = leases[lid]
+            floor = min(floor, l.expires)
+            if l.expires >= now and l is not but:
+                n += 1
+        self._naming_floor[rid] = floor  # the true minimum again (lapsed leases, once dropped, leave it)
+        return n
 
     def leased(self, rid: str, now: float) -> bool:
         """Does an unlapsed lease name replica ``rid``?"""

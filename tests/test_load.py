@@ -87,3 +87,25 @@ def test_bench_load_fleet_flag_runs_bench_fleet(capfd):
                      "--history", "1", "2", "--history-tensors", "2", "--heartbeat", "1.0"])
     assert rc == 0
     assert "chunkmap protocol" in capfd.readouterr().out
+
+
+def test_route_costs_bookkeeping():
+    """``benchmarks/bench_routes.py``, shortened: every route it measures is answered 200 by
+    the real coordinator process, for every reader (leases, refreshes, release + complete),
+    and the gzip the readers ask for comes back (the manifest's answer is small)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_routes.py"
+    spec = importlib.util.spec_from_file_location("bench_routes", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_routes"] = mod
+    spec.loader.exec_module(mod)
+    out = mod.run_routes(readers=6, tensors=300, chunks=64, beats=40)
+    print(mod.report_routes(out))
+    assert out["alive"]
+    routes = {r["route"]: r for r in out["routes"]}
+    sent = routes.pop("(the manifest's JSON, as sent by the trainer)")
+    assert len(routes) == 11, list(routes)
+    for name, r in routes.items():
+        assert r["statuses"] == {200: r["n"]}, (name, r)
+    assert routes["lease refresh"]["n"] == routes["complete + release"]["n"] == 6
+    for got in ("GET manifest: the first (encodes)", "GET manifest: the others"):
+        assert 0 < routes[got]["bytes"] < 0.25 * sent["bytes"], (routes[got], sent)  # gzipped

@@ -106,3 +106,25 @@ def test_heartbeat_fast_path_answers_like_the_route(embedded):
         assert http.post(f"/v1/workers/{'x' * 257}/heartbeat").status_code == 422
         assert http.post("/v1/workers/a/b/heartbeat").status_code == 404
         assert http.get("/v1/workers/w:1@x/heartbeat").status_code == 405
+
+
+def test_heartbeat_fast_path_takes_fetch_reports_and_refuses_bad_bodies_like_the_route(embedded):
+    """A heartbeat's body (fetch progress) is read on the fast path too: recorded as
+    ``POST /v1/fetches`` would; a body that does not validate gets the route's 422."""
+    with httpx.Client(base_url=embedded.url, timeout=10) as http:
+        http.post("/v1/workers", json={"worker_id": "r", "endpoint": "x:1"}).raise_for_status()
+        assert http.post("/v1/models/m/versions", json={}).json()["version"] == 1
+        rep = {"worker_id": "r", "model": "m", "version": 1, "layout": "hf", "shard": 0, "state": "running",
+               "nbytes": 1024, "total": 4096, "seconds": 0.5, "sources": {}, "failed_sources": 0}
+        r = http.post("/v1/workers/r/heartbeat", json={"fetches": [rep, dict(rep, model="nope")]})
+        assert r.status_code == 200 and r.json()["fetches"] == 1  # the unknown model: not recorded, beat stands
+        rec, _ = embedded.coordinator.state.fetching[("r", "m", 1, "hf", 0)]  # its progress is known
+        assert rec.nbytes == 1024 and rec.total == 4096
+        bad = http.post("/v1/workers/r/heartbeat", json={"fetches": [dict(rep, nbytes=-1)]})
+        assert bad.status_code == 422 and bad.json()["code"] == "invalid_request", bad.text
+        assert "nbytes" in bad.json()["detail"]
+        extra = http.post("/v1/workers/r/heartbeat", json={"fetches": [], "surprise": 1})
+        assert extra.status_code == 422 and "surprise" in extra.json()["detail"]
+        broken = http.post("/v1/workers/r/heartbeat", content=b'{"fetches": [', headers={"Content-Type": "application/json"})
+        assert broken.status_code == 422 and broken.json()["code"] == "invalid_request"
+        assert http.post("/v1/workers/ghost/heartbeat", json={"fetches": [rep]}).status_code == 404

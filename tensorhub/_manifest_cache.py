@@ -1,0 +1,187 @@
+"""The coordinator's serialized manifests: each shard's answer to ``GET .../manifest``
+encoded once, not once per reader.
+
+A version's manifests never change (the first registered one is final), so the JSON of
+(model, version, layout, shard) -- and its gzip, for clients that accept it (httpx, the
+Hub's client, does) -- is built on the first request and reused by every reader after it.
+A 50,000-tensor manifest is ~5.6 MB of JSON and ~0.1-0.2 s of CPU to serialize: 1,024
+readers of one version were ~2 minutes of coordinator CPU, now they are one encoding.
+
+Correctness never depends on this cache. The route asks the state machine first (a
+retired or unknown version is refused there, as before) and is served from here only
+when the entry was built from *that very* manifest object (identity, not equality: a
+catalog reloaded from the store holds new objects, which are encoded again). Entries
+of retired versions are dropped when the retirement is applied (``forget``), and the
+whole cache is bounded by bytes (least recently used first).
+
+Lives in the coordinator process (``_coordinator.Coordinator.manifests``); thread-safe:
+the HTTP routes call it from the event loop and build entries on a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+from ._wire import Manifest, manifest_json
+
+__all__ = ["ManifestCache", "Encoded", "LeaseAnswers", "CACHE_BYTES", "GZIP_OVER", "ADDRESSES_BYTES"]
+
+#: Bytes of encoded manifests kept (JSON + gzip), least recently used dropped first.
+CACHE_BYTES = 256 << 20
+#: Answers longer than this are also kept gzipped (smaller ones are sent as they are).
+GZIP_OVER = 4096
+
+Key = tuple  # (model, version, layout, shard)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One manifest's answer: its JSON (what the route answered before this cache, byte
+    for byte) and, for large ones, that JSON gzipped."""
+
+    manifest: Manifest  # the object it was built from (entries match by identity)
+    json: bytes
+    gzip: Optional[bytes]
+
+    @property
+    def size(self) -> int:
+        return len(self.json) + len(self.gzip or b"")
+
+
+def encode(manifest: Manifest) -> Encoded:
+    """Serialize a manifest as the route's ``response_model`` did (pydantic's JSON of the
+    model: compact, ``slices`` left out for full tensors; no field has an alias)."""
+    data = manifest_json(manifest)  # (shared with its digest: serialized once)
+    packed = gzip.compress(data, 6, mtime=0) if len(data) > GZIP_OVER else None
+    return Encoded(manifest, data, packed)
+
+
+class ManifestCache:
+    """Encoded manifests by (model, version, layout, shard), bounded by ``max_bytes``."""
+
+    def __init__(self, max_bytes: int = CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._entries: "OrderedDict[Key, Encoded]" = OrderedDict()
+        self._bytes = 0
+        #: Encodings in flight on the event loop (one per key: concurrent readers of a new
+        #: version wait for the first one's instead of each encoding it again).
+        self._building: dict[Key, asyncio.Future] = {}
+        #: Answers served from the cache / encoded (what ``/metrics`` and tests can read).
+        self.hits = self.misses = 0
+
+    def get(self, key: Key, manifest: Manifest) -> Optional[Encoded]:
+        """The entry built from ``manifest`` itself, or None."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.manifest is not manifest:
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return e
+
+    def put(self, key: Key, manifest: Manifest) -> Encoded:
+        """Encode ``manifest`` (outside the lock) and keep it; returns the entry."""
+        e = encode(manifest)
+        with self._lock:
+            self.misses += 1
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.size
+            if e.size <= self.max_bytes:
+                self._entries[key] = e
+                self._bytes += e.size
+                while self._bytes > self.max_bytes:
+                    _, dropped = self._entries.popitem(last=False)
+                    self._bytes -= dropped.size
+        return e
+
+    async def aget(self, key: Key, manifest: Manifest) -> Encoded:
+        """``get``, else encode on a worker thread -- once per key however many readers
+        ask at the same moment (call it from the event loop)."""
+        e = self.get(key, manifest)
+        if e is not None:
+            return e
+        fut = self._building.get(key)
+        if fut is None or fut.done():
+            fut = asyncio.ensure_future(asyncio.to_thread(self.put, key, manifest))
+            self._building[key] = fut
+            fut.add_done_callback(lambda f, k=key: self._building.pop(k, None) if self._building.get(k) is f else None)
+        e = await asyncio.shield(fut)
+        return e if e.manifest is manifest else await asyncio.to_thread(self.put, key, manifest)
+
+    def forget(self, model: str, version: int) -> None:
+        """A version was retired: drop its entries (every layout and shard)."""
+        with self._lock:
+            for key in [k for k in self._entries if k[0] == model and k[1] == version]:
+                self._bytes -= self._entries.pop(key).size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+#: Bytes of replicas' encoded address lists kept (``LeaseAnswers``).
+ADDRESSES_BYTES = 64 << 20
+_STUB = b'"addresses":[]'
+
+
+class LeaseAnswers:
+    """``POST /v1/leases`` answers with each source's addresses encoded once per replica.
+
+    A lease answer names up to ``max_sources`` replicas with one address per tensor each
+    (4 x 50,000 addresses: ~1.8 MB of JSON), and a replica's addresses never change while it
+    is registered. The answer is the grant's own JSON (``LeaseGrant.model_dump_json``) byte
+    for byte: the grant is written with empty address lists, and each is replaced by that
+    replica's list, encoded the first time a lease named it (kept by the list's identity,
+    bounded by bytes). Coordinator process only; thread-safe."""
+
+    def __init__(self, max_bytes: int = ADDRESSES_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._kept: "OrderedDict[str, tuple[list, bytes]]" = OrderedDict()
+        self._bytes = 0
+
+    def _addresses(self, replica_id: str, addresses: list) -> bytes:
+        with self._lock:
+            hit = self._kept.get(replica_id)
+            if hit is not None and hit[0] is addresses:
+                self._kept.move_to_end(replica_id)
+                return hit[1]
+        data = b'"addresses":[' + ",".join(map(str, addresses)).encode() + b"]"
+        with self._lock:
+            old = self._kept.pop(replica_id, None)
+            if old is not None:
+                self._bytes -= len(old[1])
+            if len(data) <= self.max_bytes:
+                self._kept[replica_id] = (addresses, data)
+                self._bytes += len(data)
+                while self._bytes > self.max_bytes:
+                    self._bytes -= len(self._kept.popitem(last=False)[1][1])
+        return data
+
+    def encode(self, grant) -> bytes:  # type: ignore[no-untyped-def]
+        """The grant's JSON (``grant.model_dump_json()``, the same bytes)."""
+        if not grant.replicas or all(len(r.addresses) < 64 for r in grant.replicas):
+            return grant.model_dump_json().encode()
+        stub = grant.model_copy(update={"replicas": [r.model_copy(update={"addresses": []}) for r in grant.replicas]})
+        parts = stub.model_dump_json().encode().split(_STUB)
+        if len(parts) != len(grant.replicas) + 1:  # (cannot happen: quotes in strings are escaped)
+            return grant.model_dump_json().encode()
+        out = [parts[0]]
+        for r, tail in zip(grant.replicas, parts[1:]):
+            out += [self._addresses(r.replica_id, r.addresses), tail]
+        return b"".join(out)

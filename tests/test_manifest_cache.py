@@ -1,0 +1,150 @@
+"""``GET .../manifest`` served from the coordinator's cache (``_manifest_cache``): the
+cached answer is the uncached one byte for byte, gzipped only for clients that accept it,
+encoded once per shard, and a retired version is refused (404) as before, never served
+from the cache."""
+
+from __future__ import annotations
+
+import gzip
+import time
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from tensorhub._manifest_cache import GZIP_OVER, ManifestCache, encode
+from tensorhub._wire import Manifest, SliceSpec, TensorSpec
+from tensorhub.testing import CoordinatorProcess
+
+
+def _manifest(n: int, checksums: bool = False, slices: bool = False) -> Manifest:
+    tensors = [TensorSpec(name=f"model.layers.{i}.mlp.experts.{i % 7}.weight", dtype="bfloat16",
+                          shape=(16, 8 + i % 5), nbytes=16 * (8 + i % 5) * 2) for i in range(n)]
+    kw: dict = {}
+    if checksums:
+        from tensorhub._checksum import count
+
+        kw = {"checksum": "xxh3_64", "checksums": [(1 << 63) + i for i in range(count([t.nbytes for t in tensors]))]}
+    if slices:
+        kw["slices"] = [SliceSpec(shape=(32, t.shape[1]), offsets=(16, 0)) for t in tensors]
+    return Manifest(tensors=tensors, **kw)
+
+
+def _route_before_cache(man: Manifest) -> bytes:
+    """What the route answered before the cache: FastAPI serializing the state machine's
+    Manifest through ``response_model=Manifest`` (the route's code as it was)."""
+    app = FastAPI()
+
+    @app.get("/manifest", response_model=Manifest)
+    def manifest() -> Manifest:
+        return man
+
+    with TestClient(app) as c:
+        r = c.get("/manifest")
+        assert r.status_code == 200
+        return r.content
+
+
+@pytest.mark.parametrize("kind", ["plain", "checksums", "slices", "tiny"])
+def test_encoded_answer_equals_the_uncached_route_byte_for_byte(kind):
+    man = _manifest(3 if kind == "tiny" else 2000, checksums=kind == "checksums", slices=kind == "slices")
+    enc = encode(man)
+    assert enc.json == _route_before_cache(man)
+    if kind == "tiny":
+        assert enc.gzip is None and len(enc.json) <= GZIP_OVER  # small answers go as they are
+    else:
+        assert gzip.decompress(enc.gzip) == enc.json and len(enc.gzip) < len(enc.json) / 4
+
+
+def test_cache_matches_by_identity_forgets_retired_versions_and_stays_bounded():
+    a, b = _manifest(500), _manifest(500)
+    cache = ManifestCache(max_bytes=3 * encode(a).size)
+    cache.put(("m", 1, "hf", 0), a)
+    assert cache.get(("m", 1, "hf", 0), a) is not None
+    assert cache.get(("m", 1, "hf", 0), b) is None  # equal, but another object (a reloaded catalog)
+    for v in (2, 3, 4):
+        cache.put(("m", v, "hf", 0), _manifest(500))
+    assert len(cache) == 3 and cache.nbytes <= cache.max_bytes  # the least recently used went
+    cache.forget("m", 3)
+    assert len(cache) == 2 and cache.get(("m", 3, "hf", 0), a) is None
+
+
+def _publish(c: httpx.Client, worker: str, man: Manifest) -> int:
+    v = c.post("/v1/models/m/versions", json={}).json()["version"]
+    c.post("/v1/replicas", json={"worker_id": worker, "model": "m", "version": v, "manifest": man.model_dump(mode="json"),
+                                 "addresses": [4096 * (i + 1) for i in range(len(man.tensors))]}).raise_for_status()
+    return v
+
+
+def test_real_coordinator_serves_the_cached_manifest_and_refuses_a_retired_one(tmp_path):
+    """A real coordinator process (``--keep-versions 1``): the answer to many readers is the
+    uncached route's bytes, gzipped for httpx (which accepts it) and plain for a client that
+    does not say so; once retired, the version is 404 ``unknown_version`` as before, although
+    its manifest had been cached."""
+    coord = CoordinatorProcess(tmp_path / "state", extra=("--keep-versions", "1", "--worker-ttl", "30"))
+    coord.start()
+    try:
+        man = _manifest(3000, checksums=True)
+        want = _route_before_cache(man)
+        with httpx.Client(base_url=coord.url, timeout=30) as c:
+            c.post("/v1/workers", json={"worker_id": "trainer", "endpoint": "127.0.0.1:1"}).raise_for_status()
+            v1 = _publish(c, "trainer", man)
+            path = f"/v1/models/m/versions/{v1}/manifest"
+            answers = [c.get(path, params={"layout": "hf", "shard": 0}) for _ in range(3)]
+            for r in answers:  # httpx sends Accept-Encoding: gzip and decodes it
+                assert r.status_code == 200 and r.headers["content-encoding"] == "gzip"
+                assert r.content == want
+                assert int(r.headers["content-length"]) < len(want) / 4  # what crossed the wire
+            plain = c.get(path, headers={"Accept-Encoding": "identity"})
+            assert "content-encoding" not in plain.headers and plain.content == want
+            refused = c.get(path, headers={"Accept-Encoding": "gzip;q=0"})
+            assert "content-encoding" not in refused.headers and refused.content == want
+            # The Hub's own client reads it as before.
+            from tensorhub._client import CoordinatorClient
+
+            hub_client = CoordinatorClient(coord.url)
+            try:
+                assert hub_client.manifest("m", v1) == man
+            finally:
+                hub_client.close()
+            # A newer version, and the trainer lets v1 go: retention retires v1 (ticks every second).
+            v2 = _publish(c, "trainer", _manifest(10))
+            c.post(f"/v1/models/m/versions/{v1}/unpublish", json={"worker_id": "trainer"}).raise_for_status()
+            deadline = time.monotonic() + 20
+            while True:
+                gone = c.get(path)
+                if gone.status_code != 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert gone.status_code == 404, (gone.status_code, gone.text[:200])
+            assert gone.json()["code"] == "unknown_version" and "retired" in gone.json()["detail"]
+            assert c.get(f"/v1/models/m/versions/{v2}/manifest").status_code == 200
+    finally:
+        coord.stop()
+
+
+def test_lease_answers_equal_the_grants_own_json_byte_for_byte():
+    """``LeaseAnswers`` splices each source's addresses, encoded once per replica, into the
+    grant's JSON: the bytes equal ``grant.model_dump_json()`` (strings that look like the
+    splice point included), and a replica whose address list changed is encoded again."""
+    from tensorhub._manifest_cache import LeaseAnswers
+    from tensorhub._wire import LeaseGrant, Locality, ReplicaInfo
+
+    def rep(i: int, n: int, addresses=None) -> ReplicaInfo:
+        return ReplicaInfo(replica_id=f"r-{i}", worker_id=f'w"{i}', endpoint="127.0.0.1:1",
+                           locality=Locality(datacenter="d", zone="z", host=f"h{i}"),
+                           addresses=addresses or [(1 << 44) + (i << 32) + 4096 * k for k in range(n)], cost=i % 4,
+                           chunks=None if i == 0 else [], status_addr=None if i == 0 else 4096,
+                           status_tag=None if i == 0 else 7, num_chunks=0 if i == 0 else 64)
+
+    answers = LeaseAnswers()
+    odd = 'reason "addresses":[] and \\"addresses\\":[]'
+    for reps in ([rep(0, 5000), rep(1, 5000), rep(2, 5000), rep(3, 5000)], [rep(0, 3)], [], [rep(1, 100)]):
+        g = LeaseGrant(lease_id="l-1", model="m", version=3, layout="hf", shard=0, num_shards=1, replicas=reps,
+                       ttl=30.0, reason=odd, serve_refused=odd, manifest=_manifest(20))
+        for _ in range(2):  # encoded, then from what was kept
+            assert answers.encode(g) == g.model_dump_json().encode()
+    moved = rep(1, 100, addresses=[8192 * k for k in range(100)])  # same id, other memory
+    g = LeaseGrant(lease_id="l-2", model="m", version=3, layout="hf", shard=0, num_shards=1, replicas=[moved], ttl=1.0)
+    assert answers.encode(g) == g.model_dump_json().encode()
