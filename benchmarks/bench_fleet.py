@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_load import CoordinatorProc, _cpu, _manifest, _pct, _Pool, _run_loop  # noqa: E402
+from bench_load import CoordinatorProc, _cpu, _machine_busy, _manifest, _pct, _Pool, _run_loop  # noqa: E402
 
 #: ``PipelinedReader.first_refresh``: the one refresh comes no sooner than this.
 FIRST_REFRESH = 0.1
@@ -130,6 +130,8 @@ class Phase:
     fetch_seconds: list[float] = field(default_factory=list)
     seconds: float = 0.0
     cpu: float = 0.0  # coordinator CPU-seconds over the phase
+    gen_cpu: float = 0.0  # this generator's CPU-seconds over the phase (it shares the machine)
+    machine_cpu: float = 0.0  # the whole machine's busy CPU-seconds over the phase
     idle_cpu_rate: float = 0.0  # coordinator cores with heartbeats only, just before the phase
     manifest_bytes: int = 0
     chunk_bytes: int = 0
@@ -141,7 +143,8 @@ class _Fleet:
     def __init__(self, url: str, pid: int, connections: int, seed: int) -> None:
         self.pid = pid
         self.hb = _Pool(url, max(2, connections // 4))
-        self.http = _Pool(url, connections)
+        # As the Hub's client (httpx) asks: large manifests come back gzipped.
+        self.http = _Pool(url, connections, headers={"Accept-Encoding": "gzip, deflate"})
         self.rng = random.Random(seed)
         self.phase: Optional[Phase] = None
         self.setup_errors: dict[str, int] = {}
@@ -557,7 +560,7 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
             await asyncio.sleep(idle_seconds)  # heartbeats only: the baseline this phase's CPU is net of
             ph.idle_cpu_rate = (_cpu(pid) - c0) / (time.perf_counter() - t0)
             fl.phase = ph
-            c0, t0 = _cpu(pid), time.perf_counter()
+            c0, t0, g0, m0 = _cpu(pid), time.perf_counter(), time.process_time(), _machine_busy()[0]
             link = link_gbps * 1e9
 
             async def one(w: str) -> None:
@@ -567,6 +570,7 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
             await asyncio.gather(*(one(w) for w in reader_ids))
             ph.seconds = time.perf_counter() - t0
             ph.cpu = _cpu(pid) - c0
+            ph.gen_cpu, ph.machine_cpu = time.process_time() - g0, _machine_busy()[0] - m0
             fl.phase = None
     finally:
         stop.set()
@@ -599,6 +603,11 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
             "lease_ms": {q: round(_pct(ph.lease, x) * 1e3, 2) for q, x in (("p50", 0.5), ("p99", 0.99))}
             | {"max": round(max(ph.lease, default=float("nan")) * 1e3, 2)},
             "coordinator_cpu_s": round(ph.cpu, 2), "idle_cores": round(ph.idle_cpu_rate, 3),
+            "coordinator_cores": round(ph.cpu / ph.seconds, 2) if ph.seconds else 0.0,
+            "generator_cores": round(ph.gen_cpu / ph.seconds, 2) if ph.seconds else 0.0,
+            "machine_cores": round(ph.machine_cpu / ph.seconds, 2) if ph.seconds else 0.0,
+            "requests": sum(ph.calls.values()) + len(ph.heartbeat),
+            "cpu_ms_per_request": round(ph.cpu / max(1, sum(ph.calls.values()) + len(ph.heartbeat)) * 1e3, 3),
             "cpu_s_per_reader_version": round(net / r, 4),
         }
     out["errors"] = sum(sum(p["errors"].values()) for p in out["phases"].values()) + sum(fl.setup_errors.values())
@@ -669,6 +678,10 @@ def report_fleet(out: dict) -> str:
     row("coordinator CPU-s per reader-ver.", lambda p: p["cpu_s_per_reader_version"],
         f"no growth (x <= {TARGET_GROWTH}): chunks {_mark(growth[0] <= TARGET_GROWTH)}, "
         f"history {_mark(growth[1] <= TARGET_GROWTH)}", fmt="{:.4f}")
+    row("coordinator CPU ms per request", lambda p: p["cpu_ms_per_request"], fmt="{:.3f}")
+    row("coordinator cores busy", lambda p: p["coordinator_cores"])
+    row("generator cores busy (this proc.)", lambda p: p["generator_cores"])
+    row("machine cores busy (all)", lambda p: p["machine_cores"])
     row("manifest MB (JSON)", lambda p: p["manifest_mb"])
     row("phase seconds", lambda p: p["seconds"])
     row("fetch seconds p50", lambda p: p["fetch_s"]["p50"])

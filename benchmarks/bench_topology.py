@@ -78,7 +78,7 @@ def worker(argv: list[str]) -> int:  # pragma: no cover - runs in a child proces
                 want = _weights(torch, cmd["mib"], cmd["seed"])  # every byte checked
                 good = want.keys() == f.keys() and all(torch.equal(f[k], want[k]) for k in want)
                 say(ok={"version": f.version, "start": t0, "end": t1, "sources": f.sources,
-                        "nbytes": f.nbytes, "bytes_ok": good})
+                        "nbytes": f.nbytes, "bytes_ok": good, "failed": list(f.failed_sources)})
             elif op == "unpublish":
                 for v in [v for v in held if v in cmd["versions"]]:
                     try:
@@ -176,6 +176,8 @@ def _round(pub: Proc, readers: list[Proc], mib: int, seed: int, tensorhub_mode: 
         r.call(op="unpublish", versions=[v])
     pub.call(op="unpublish", versions=[v - 1]) if v > 1 else None
     return {"version": v, "seconds": t_all, "per_reader": {k: x["end"] - t0 for k, x in res.items()},
+            "sources": {k: x["sources"] for k, x in res.items()}, "failed": {k: x.get("failed") for k, x in res.items()},
+            "started": {k: x["start"] - t0 for k, x in res.items()},
             "calls_per_reader": calls,
             "from_publisher": sum(x["sources"].get(pub.name, 0) for x in res.values()) / (mib * MiB)}
 
@@ -190,25 +192,36 @@ def fanout(args: argparse.Namespace, out: Path) -> dict:
         url = tb.start_coordinator(d)
         pub = Proc(tb, "a0", url, out)
         readers = [Proc(tb, f"a{k + 1}", url, out) for k in range(max(ns))]
+        modes = [("tensorhub", True, pub, readers), ("single-source", False, pub, readers)]
+        if args.compare_plans:  # the same workers on a second coordinator that makes no striped plans
+            os.makedirs(f"{d}/noplans", exist_ok=True)
+            url2 = tb.start_coordinator(f"{d}/noplans", plans=False)
+            pub2 = Proc(tb, "a0", url2, out)
+            readers2 = [Proc(tb, f"a{k + 1}", url2, out) for k in range(max(ns))]
+            modes.insert(1, ("no-plans", True, pub2, readers2))
         seed = 0
         for n in ns:
             row = {"readers": n}
-            for mode, flag in (("tensorhub", True), ("single-source", False)):
+            for mode, flag, p_, rs in modes:
                 seed += 1
-                r = _round(pub, readers[:n], args.mib, seed, flag)
+                r = _round(p_, rs[:n], args.mib, seed, flag)
                 row[mode] = r["seconds"]
                 row[f"{mode}_calls_per_reader"] = r["calls_per_reader"]
                 row[f"{mode}_from_publisher_x"] = r["from_publisher"]
                 row[f"{mode}_per_reader_s"] = r["per_reader"]
+                row[f"{mode}_detail"] = {k: r[k] for k in ("sources", "failed", "started")}
             rows.append(row)
             print(f"  N={n}: tensorhub {row['tensorhub']:.2f}s ({row['tensorhub_calls_per_reader']:.1f} "
                   f"coordinator calls per reader)  single-source {row['single-source']:.2f}s", flush=True)
-        for p in [pub, *readers]:
+        for p in {id(p): p for _, _, p_, rs in modes for p in (p_, *rs)}.values():
             p.call(op="exit")
     base = rows[0]["tensorhub"]
     for row in rows:
         row["tensorhub_vs_own_n1"] = row["tensorhub"] / base
         row["speedup_vs_single"] = row["single-source"] / row["tensorhub"]
+        if args.compare_plans:
+            row["no-plans_vs_own_n1"] = row["no-plans"] / rows[0]["no-plans"]
+            row["plans_vs_no_plans"] = row["tensorhub"] / row["no-plans"]
     print(f"\nfan-out: {args.mib} MiB version, {args.host_rate} host links, 1 publisher")
     print(f"{'N':>3} {'tensorhub s':>12} {'single s':>10} {'TH/TH(N=1)':>11} {'speedup':>8} {'pub bytes (x)':>14} "
           f"{'calls/reader':>13}")
@@ -218,7 +231,15 @@ def fanout(args: argparse.Namespace, out: Path) -> dict:
               f"{row['tensorhub_from_publisher_x']:>14.2f} {row['tensorhub_calls_per_reader']:>13.1f}")
     print("calls/reader: the coordinator's requests during a TensorHub round (tensorhub_requests_total), "
           "less heartbeats and the publisher's two, over the readers")
+    if args.compare_plans:
+        print(f"\nthe same rounds on a coordinator with --no-plans (interleaved):\n{'N':>3} {'no-plans s':>11} "
+              f"{'NP/NP(N=1)':>11} {'pub bytes (x)':>14} {'plans/no-plans':>15}")
+        for row in rows:
+            print(f"{row['readers']:>3} {row['no-plans']:>11.2f} {row['no-plans_vs_own_n1']:>11.2f} "
+                  f"{row['no-plans_from_publisher_x']:>14.2f} {row['plans_vs_no_plans']:>15.2f}")
     last = rows[-1]
+    print(f"issue 13 target at N={last['readers']}: within 1.3x of N=1 -> {last['tensorhub_vs_own_n1']:.2f}x "
+          f"({'met' if last['tensorhub_vs_own_n1'] <= 1.3 else 'MISSED'})")
     print(f"targets at N={last['readers']}: within 2x of N=1 -> {last['tensorhub_vs_own_n1']:.2f}x "
           f"({'met' if last['tensorhub_vs_own_n1'] <= 2 else 'MISSED'}); >= 3.5x faster than single-source -> "
           f"{last['speedup_vs_single']:.2f}x ({'met' if last['speedup_vs_single'] >= 3.5 else 'MISSED'})")
@@ -353,6 +374,8 @@ def main() -> int:
     ap.add_argument("--host-rate", default="1gbit")
     ap.add_argument("--xdc-rate", default="100mbit")
     ap.add_argument("--out", default="out")
+    ap.add_argument("--compare-plans", action="store_true",
+                    help="fanout: also the same round on a coordinator started with --no-plans, side by side")
     args = ap.parse_args()
     from testbed import available
 

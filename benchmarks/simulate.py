@@ -18,11 +18,16 @@ is modelled:
 
   - ``chunkmap`` (default; what the client does now, :class:`MapSim`): one lease per
     reader that also registers its partial replica (the coordinator never learns which
-    chunks it holds); a reader learns that from each partial source's chunk map, read
+    chunks it holds); where one source is scarce the lease carries a striped plan
+    (``tensorhub._stripes``, the coordinator's own code: which replica to read each
+    stripe from; the layout fixed 50 ms after the first reader, each reader's one
+    refresh then; ``--no-plans``: without); a reader learns what a partial source holds
+    from its chunk map, read
     one-sided (``--rtt-us`` per read) whenever the source has a free slot, at most every
-    10 ms; one refresh of the lease at the first loop turn 100 ms after the start (more
-    only with no source or after a 0.5 s stall); the reader loop's sleeps (0.25 ms doubling
-    to 2 ms with reads in flight, to 25 ms without); one release+register at the end.
+    10 ms (2 ms for a plan's parents); one refresh of the lease (under a plan: when its
+    layout is fixed; else at the first loop turn 100 ms after the start; more only with no
+    source or after a 0.5 s stall); the reader loop's sleeps (0.25 ms doubling to 2 ms
+    with reads in flight or under a plan, to 25 ms without); one release+register at the end.
     Calls per reader (resolve, manifest, lease, refreshes, release) are printed;
   - ``reports`` (the loop before chunk maps, for comparison): readers report completed
     chunks every ``--report-ms`` and refresh their sources when idle every
@@ -64,6 +69,7 @@ from tensorhub._planner import (  # noqa: E402 - the planner the coordinator run
     LEVELS, Candidate, chunk_order, choose_sources, claims, grid_chunk_bytes, group_key, locality_cost, pick_chunk,
     reserve_chunks, start_fraction, start_reverse,
 )
+from tensorhub._stripes import MIN_CHUNKS, NONE, STRIPES, Plan, plan_root  # noqa: E402 - the plans it grants
 from tensorhub._wire import Locality  # noqa: E402
 
 GB = 1e9
@@ -307,6 +313,8 @@ FIRST_REFRESH = 0.1  # the one refresh comes no sooner than this after the read 
 MAX_REFRESHES = 1
 REFRESH = 0.05  # refresh_interval (idle; twice that while every source is busy)
 CLAIM_PATIENCE = 0.5
+SPILL = True  # a plan's member also serves chunks of stripes it does not parent, when idle
+PLAN_STATUS_INTERVAL = 0.002  # ... for a reader with a plan (parents it follows closely)
 LEASE_TTL = 30.0  # renewals every max(0.1, ttl / 3): none in a read shorter than 10 s
 FIXED_CALLS = 2  # resolve ("latest") and the manifest GET, before the lease (1: the version was named)
 
@@ -339,6 +347,9 @@ class MapReader:
     sleep: float = POLL / 8
     done_t: Optional[float] = None
     leased: bool = False  # its lease (and so its partial replica) registered
+    plan_key: Optional[tuple] = None  # (datacenter, root) of the plan it is a member of
+    plan: Optional[list] = None  # parent replica id per stripe (NONE: none yet)
+    plan_refresh: float = 0.0  # when to ask again for the fixed plan (0: fixed)
     dirty: bool = True  # something a submit step looks at changed since the last one (else it picks nothing)
     stalled: bool = False
 
@@ -349,7 +360,10 @@ class MapSim(Sim):
     * one pipelined lease per reader at its start, which also registers its partial replica:
       the coordinator knows it holds *nothing* (it never hears of chunks), so partial
       candidates are ordered by load and registration only, and no reservations or claims
-      are made (``_state.acquire_lease``: ``own`` is None for a chunk-map replica);
+      are made (``_state.acquire_lease``: ``own`` is None for a chunk-map replica); where
+      one source is scarce the coordinator's striped plan (``_stripes.Plan``, joined and
+      asked exactly as ``_state`` does) names each stripe's parent instead, and the reader
+      reads each stripe only from it (any source after a stall);
     * the reader loop of ``ShardReader._loop``: submit (sources by cost, partial first,
       least busy; ``pick_chunk`` over what each source's map said), then the chunk maps
       (take in reads that completed; read again the map of every partial source with a free
@@ -367,9 +381,10 @@ class MapSim(Sim):
     ends inside a step frees its share at the step's end)."""
 
     def __init__(self, cl: Cluster, nbytes: float, num_chunks: int, *, rtt: float = 50e-6,
-                 tick: float = 0.25e-3, fixed_calls: int = FIXED_CALLS, **kw) -> None:
+                 tick: float = 0.25e-3, fixed_calls: int = FIXED_CALLS, plans: bool = True, **kw) -> None:
         super().__init__(cl, nbytes, num_chunks, **kw)
         self.rtt, self.tick, self.fixed_calls = rtt, tick, fixed_calls
+        self.plans_on, self.plans, self.now = plans, {}, 0.0
         self.mreaders: dict[int, MapReader] = {}
         for k, w in enumerate(self.readers):
             order = chunk_order(num_chunks, start_fraction(k), start_reverse(k))
@@ -388,15 +403,42 @@ class MapSim(Sim):
             self._cands = out
         return self._cands
 
-    def _lease(self, r: MapReader) -> None:
-        r.calls += 1
-        keys = {lvl: (lvl,) + group_key(r.loc, lvl) for lvl in LEVELS}
-        seeders = {lvl: (str(self.seeders[k]), True) for lvl, k in keys.items() if k in self.seeders}
-        ch = choose_sources(r.loc, str(r.wid), self._candidates(), max_sources=self.k, pipelined=True,
-                            seeders=seeders, policy=self.policy, have=frozenset())
-        for lvl in ch.seed_levels:
-            self.seeders[keys[lvl]] = r.wid
-        fresh = [(c, cost) for c, cost in ch.sources]
+    def _rid_of(self, w: int) -> str:
+        return f"r{self.ids[w]:07d}"
+
+    def _planned(self, r: MapReader) -> bool:
+        """As ``_state.acquire_lease``: a plan (``tensorhub._stripes``) where one source is
+        scarce; True when the reader's sources come from its plan."""
+        if not self.plans_on:
+            return False
+        if r.plan_key is None:
+            if r.leased or self.n < MIN_CHUNKS or self.policy != "topology":
+                return False
+            dc_key = (LEVELS[-1],) + group_key(r.loc, LEVELS[-1])
+            seeder = self.seeders.get(dc_key)
+            seeder_rid = self._rid_of(seeder) if seeder is not None and seeder != r.wid and \
+                seeder in self.mreaders and self.mreaders[seeder].leased else None
+            root = plan_root(r.loc, str(r.wid), self._candidates(), seeder_rid)
+            if root is None:
+                return False
+            r.plan_key = (r.loc.datacenter, root)
+            plan = self.plans.get(r.plan_key)
+            if plan is None:
+                plan = self.plans[r.plan_key] = Plan(root, STRIPES, self.now)
+            plan.join(str(r.wid), self._rid_of(r.wid), self.now)
+        plan = self.plans[r.plan_key]
+        row, again = plan.parents(str(r.wid), self.now)
+        r.plan, r.plan_refresh = row, again
+        by_rid = {c.replica_id: c for c in self._candidates()}
+        if not r.leased:
+            by_rid.setdefault(self._rid_of(r.wid), None)
+        wanted = [x for x in dict.fromkeys(row) if x != NONE] or [plan.root]
+        self._take(r, [(by_rid[x], 0) for x in wanted if by_rid.get(x) is not None])
+        return True
+
+    def _take(self, r: MapReader, fresh: list) -> None:
+        """A lease answer's sources (those of earlier answers stay usable under the same
+        lease); its partial replica registered with the first; loads as the coordinator counts."""
         ids = {c.worker_id for c, _ in fresh}
         r.sources = fresh + [p for p in r.sources if p[0].worker_id not in ids]
         r.dirty = True
@@ -408,6 +450,18 @@ class MapSim(Sim):
                 r.named.add(w)
                 self.load[w] = self.load.get(w, 0) + 1
                 self._cands = None
+
+    def _lease(self, r: MapReader) -> None:
+        r.calls += 1
+        if self._planned(r):
+            return
+        keys = {lvl: (lvl,) + group_key(r.loc, lvl) for lvl in LEVELS}
+        seeders = {lvl: (str(self.seeders[k]), True) for lvl, k in keys.items() if k in self.seeders}
+        ch = choose_sources(r.loc, str(r.wid), self._candidates(), max_sources=self.k, pipelined=True,
+                            seeders=seeders, policy=self.policy, have=frozenset())
+        for lvl in ch.seed_levels:
+            self.seeders[keys[lvl]] = r.wid
+        self._take(r, [(c, cost) for c, cost in ch.sources])
 
     def _held(self, r: MapReader, c: Candidate) -> Optional[frozenset]:
         return None if c.chunks is None else r.avail.get(int(c.worker_id), frozenset())
@@ -425,11 +479,18 @@ class MapSim(Sim):
                 if not r.need or busy[s] >= self.depth:
                     continue
                 held = self._held(r, c)
-                others = [self._held(r, o) for o, _ in r.sources if o is not c]
-                coming = frozenset().union(*(r.mcoming.get(int(o.worker_id), frozenset()) for o, _ in r.sources))
-                if not r.inflight and now - r.last_progress > CLAIM_PATIENCE:
-                    coming = frozenset()
-                ch = pick_chunk(r.need, held, others, set(), coming)
+                if r.plan is not None and not stalled:  # its plan: each stripe from its parent first
+                    d = len(r.plan)
+                    ch = pick_chunk([x for x in r.need if r.plan[x % d] == c.replica_id], held, [], set())
+                    if ch is None and held is not None and SPILL:  # a member: what it holds of other stripes
+                        others = [self._held(r, o) for o, _ in r.sources if o is not c]
+                        ch = pick_chunk(r.need, held, others, set())
+                else:
+                    others = [self._held(r, o) for o, _ in r.sources if o is not c]
+                    coming = frozenset().union(*(r.mcoming.get(int(o.worker_id), frozenset()) for o, _ in r.sources))
+                    if stalled:
+                        coming = frozenset()
+                    ch = pick_chunk(r.need, held, others, set(), coming)
                 if ch is None:
                     continue
                 r.need.remove(ch)
@@ -452,7 +513,7 @@ class MapSim(Sim):
             s = int(c.worker_id)
             if c.chunks is None or s in r.map_pending or busy[s] >= self.depth:
                 continue
-            if s in r.avail and now - r.map_last.get(s, 0.0) < STATUS_INTERVAL:
+            if s in r.avail and now - r.map_last.get(s, 0.0) < (STATUS_INTERVAL if r.plan is None else PLAN_STATUS_INTERVAL):
                 continue
             r.map_pending[s] = now + self.rtt
             r.map_last[s] = now
@@ -460,6 +521,16 @@ class MapSim(Sim):
             self._pending.append((now + self.rtt, r.wid, s))
 
     def _refresh_step(self, r: MapReader, now: float, busy: dict) -> None:
+        if r.plan_refresh and now >= r.plan_refresh and r.need:  # the plan's layout is fixed now
+            r.last_refresh, r.refreshes = now, r.refreshes + 1
+            self._lease(r)
+            return
+        if r.plan is not None and not r.plan_refresh:  # a fixed plan: nothing to learn, unless stalled
+            if r.need and not any(busy.values()) and now - r.last_progress > CLAIM_PATIENCE and \
+                    now - r.last_refresh >= REFRESH:
+                r.last_refresh, r.stalls = now, r.stalls + 1
+                self._lease(r)
+            return
         idle = not r.sources or any(busy[int(c.worker_id)] < self.depth for c, _ in r.sources)
         if not r.need or now - r.last_refresh < REFRESH * (1 if idle else 2):
             return
@@ -505,7 +576,9 @@ class MapSim(Sim):
                 break
             r.sleep = POLL / 8
         r.wake = now + r.sleep
-        r.sleep = min(r.sleep * 2, POLL if r.inflight else IDLE_CAP)
+        r.sleep = min(r.sleep * 2, POLL if r.inflight or r.plan is not None else IDLE_CAP)
+        if r.plan_refresh:
+            r.wake = min(r.wake, max(now + self.tick, r.plan_refresh))
 
     def run(self, t_max: float = 3600.0) -> dict:
         now = 0.0
@@ -514,7 +587,7 @@ class MapSim(Sim):
             self._lease(r)  # the lease that registers its partial replica
             r.last_refresh = now
         while any(r.done_t is None for r in self.mreaders.values()) and now < t_max:
-            self._cands, self._groups = None, {}
+            self._cands, self._groups, self.now = None, {}, now
             for r in self.mreaders.values():
                 if r.done_t is None and r.wake <= now + 1e-12:
                     self._turn(r, now)
@@ -583,10 +656,11 @@ def push_pull(cl: Cluster, nbytes: float, n: int, storage_gbps: float) -> float:
 def lower_bound(cl: Cluster, nbytes: float, dcs: int, host_source: bool = False) -> float:
     """Every reader receives the version through its NIC (through NVLink when a GPU of its
     own node already holds it), the trainer sends it at least once, every other datacenter
-    receives it at least once over the slow link."""
+    receives it at least once over its slow links (one from each other datacenter: with
+    more than two, a datacenter can take parts of it from the others at once)."""
     lb = nbytes / (cl.nvlink if host_source else cl.nic)
     if dcs > 1:
-        lb = max(lb, nbytes / cl.wan)
+        lb = max(lb, nbytes / (cl.wan * (dcs - 1)))
     return lb
 
 
@@ -596,7 +670,8 @@ def make_sim(args: argparse.Namespace, cl: Cluster, nbytes: float, chunks: int, 
     """The control loop asked for: ``chunkmap`` (as implemented) or ``reports`` (before chunk maps)."""
     if args.protocol == "reports":
         return Sim(cl, nbytes, chunks, **kw)
-    return MapSim(cl, nbytes, chunks, rtt=args.rtt_us * 1e-6, tick=args.tick_ms / 1e3, fixed_calls=fixed_calls, **kw)
+    return MapSim(cl, nbytes, chunks, rtt=args.rtt_us * 1e-6, tick=args.tick_ms / 1e3, fixed_calls=fixed_calls,
+                  plans=getattr(args, "plans", True), **kw)
 
 
 def workload(name: str, args: argparse.Namespace, dcs: int) -> dict:
@@ -683,6 +758,8 @@ def main() -> int:
                     help="chunks per version (default: the client's grid, tensorhub._grid: 256 of 64 MiB at 16 GiB)")
     ap.add_argument("--protocol", choices=["chunkmap", "reports"], default="chunkmap",
                     help="the control loop: chunk maps (as implemented) or the chunk reports / refreshes before them")
+    ap.add_argument("--plans", action=argparse.BooleanOptionalAction, default=True,
+                    help="chunkmap: the coordinator's striped plans (tensorhub/_stripes.py); --no-plans: without")
     ap.add_argument("--rtt-us", type=float, default=50.0, help="a chunk-map read (one small one-sided read), us")
     ap.add_argument("--testbed-rtt-us", type=float, default=200.0, help="the same on the netns testbed (--validate)")
     ap.add_argument("--tick-ms", type=float, default=0.25, help="chunkmap model: least time step")

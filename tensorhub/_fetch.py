@@ -366,6 +366,7 @@ class PipelinedSources(PlainSources):
             return list(kept)
         r.claimed = frozenset(g.claimed)
         r.reserved = None if g.reserved is None else frozenset(g.reserved)
+        r.follow_plan(g.stripe_sources if g.stripes else None, g.refresh_after)
         fresh = [PSource(x.replica_id, x.worker_id, x.endpoint, tuple(x.addresses), g.lease_id, x.cost,
                          None if x.chunks is None else frozenset(x.chunks), frozenset(x.coming),
                          x.status_addr, x.status_tag or 0, x.num_chunks)

@@ -40,7 +40,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ._chunkmap import map_bytes, parse_all
 from ._exceptions import TransferError
@@ -114,13 +114,37 @@ class PipelinedReader(ShardReader):
         self._map_last: dict[str, float] = {}
         self._map_buf: dict[str, Any] = {}  # replica id -> (tensor, addr, nbytes) registered
         self._stale: set[str] = set()  # replicas whose map once read as stale: never read from
+        self._fail: Any = None
         self._t0 = 0.0
+        #: The coordinator's striped plan (``_stripes``): the replica to read chunk c from is
+        #: ``plan[c % len(plan)]`` ("": none yet); None: no plan. And when to ask for its
+        #: fixed layout (monotonic; 0: it is fixed).
+        self.plan: Optional[tuple[str, ...]] = None
+        self.plan_refresh_at = 0.0
+        #: Least seconds between two reads of a parent's chunk map under a plan (a parent
+        #: is followed closely: it forwards what it receives, chunk by chunk).
+        self.plan_status_interval = 0.002
+        #: Under a plan, also read other stripes' chunks from a member that holds them when
+        #: it has nothing new of its own stripes (never from the root).
+        self.spill = True
 
     # Policy hooks (``ShardReader._loop``): the reader's own chunk order; each source is
     # asked only for chunks it holds, rarest first; sources refreshed now and then.
     @property
     def _idle_cap(self) -> float:
-        return self.refresh_interval / 2
+        # Under a plan the next chunk comes from a parent that is receiving it now: poll
+        # as while reads are in flight, not with the idle back-off.
+        return self.poll_interval if self.plan is not None else self.refresh_interval / 2
+
+    def follow_plan(self, plan: Optional[Sequence[str]], refresh_after: float) -> None:
+        """Take the plan of a lease answer (None: none) and when to ask again for its
+        fixed layout (seconds from now; 0: it is fixed)."""
+        self.plan = None if not plan else tuple(plan)
+        self.plan_refresh_at = time.monotonic() + refresh_after if plan and refresh_after > 0 else 0.0
+
+    def _loop(self, todo, inflight, failed, sources, stats, fail, *rest) -> None:  # type: ignore[override]
+        self._fail = fail  # (a source whose chunk map cannot be read fails like one whose data cannot)
+        super()._loop(todo, inflight, failed, sources, stats, fail, *rest)
 
     def run(self, get_sources, report, **kw: Any):  # type: ignore[override]
         self._t0 = time.monotonic()
@@ -156,7 +180,16 @@ class PipelinedReader(ShardReader):
                                     *(self.map_coming.get(o.replica_id, frozenset()) for o in sources))
         order = need
         have = self.held(src)
-        if not inflight and now - self._last_progress > self.claim_patience:
+        stalled = not inflight and now - self._last_progress > self.claim_patience
+        if self.plan is not None and not stalled:  # each stripe from its parent first
+            d = len(self.plan)
+            c = pick_chunk([c for c in need if self.plan[c % d] == src.replica_id], have, [], set())
+            if c is None and have is not None and self.spill:
+                # A member (never the root) with nothing new of its stripes: what it holds of
+                # the others, rarest first -- a link the plan left idle is used, not waited on.
+                c = pick_chunk(need, have, others, set())
+            return c
+        if stalled:
             coming = frozenset()  # stalled: do not wait on others' promises any longer
         elif have is None and self.reserved is not None:
             order, coming = [c for c in need if c in self.reserved], frozenset()
@@ -168,6 +201,18 @@ class PipelinedReader(ShardReader):
         ``max_refreshes`` times otherwise (partial replicas registered since the lease may
         be nearer or less loaded than the busy sources), soon when a source idles."""
         self._maps(need, sources, busy, now)
+        if self.plan is not None and need:
+            due = self.plan_refresh_at and now >= self.plan_refresh_at
+            stuck = not any(busy.values()) and now - self._last_progress > self.claim_patience and \
+                now - self._last_refresh >= self.refresh_interval
+            if due or stuck or not sources or len(failed) > self._failed_seen:
+                # The plan's fixed layout (counted: it is the one refresh), or trouble.
+                self._last_refresh, self._failed_seen = now, len(failed)
+                self.refreshes += bool(due)
+                self.plan_refresh_at = 0.0
+                fresh = get_sources(set(failed))
+                sources[:] = [s for s in fresh if s.replica_id not in failed]
+            return  # a fixed plan: nothing more to learn from the coordinator
         idle = not sources or any(busy.get(s.replica_id, 0) < self.depth for s in sources)
         if not need or now - self._last_refresh < self.refresh_interval * (1 if idle else 2):
             return
@@ -195,6 +240,8 @@ class PipelinedReader(ShardReader):
                 continue
             del self._map_pending[rid]
             src = self._map_src[rid]
+            if st != DONE and self._fail is not None:
+                self._fail(src, f"its chunk map could not be read (code {st})")
             if st == DONE:
                 both = parse_all(self._map_buf[rid][0].numpy(), src.status_tag, src.num_chunks)
                 got = None if both is None else both[0]
@@ -214,7 +261,8 @@ class PipelinedReader(ShardReader):
                 continue  # it has work: its map is read when it idles
             rid = src.replica_id
             have = self.avail.get(rid)
-            if have is not None and now - self._map_last.get(rid, 0.0) < self.status_interval:
+            gap = self.status_interval if self.plan is None else self.plan_status_interval
+            if have is not None and now - self._map_last.get(rid, 0.0) < gap:
                 continue
             self._read_map(src, now)
 
@@ -239,6 +287,8 @@ class PipelinedReader(ShardReader):
         except TransferError as e:
             logger.debug("chunk map of %s not read: %s", rid, e)
             self._map_last[rid] = now
+            if self._fail is not None:
+                self._fail(src, f"its chunk map could not be read: {e}")
             return
         self.status_reads += 1
         self._map_pending[rid] = h

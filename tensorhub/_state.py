@@ -53,24 +53,22 @@ answered on its heartbeat; ``metrics_view`` is what ``/metrics`` shows of the st
 
 from __future__ import annotations
 
-
-from __future__ import annotations
-
 import itertools
 import secrets
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
 from ._exceptions import (
     ConflictError, InvalidRequestError, ManifestMismatchError, NotFoundError, RetentionError,
 )
 from ._planner import (
-    LEVELS, Candidate, choose_sources, chunk_order, claims, grid_chunk_bytes, group_key, locality_cost,
+    COST_DC, LEVELS, Candidate, Choice, choose_sources, chunk_order, claims, grid_chunk_bytes, group_key, locality_cost,
     reserve_chunks, start_fraction, start_reverse,
 )
 from ._registry import Lease, Registry, Replica, ShardKey, Worker
 from ._slices import SLICED
+from ._stripes import MIN_CHUNKS, NONE, STRIPES, Plan, plan_root
 from ._views import FETCH_STALE, metrics_view, record_fetch, status_view
 from ._wire import (
     AcquireLease,
@@ -92,6 +90,8 @@ _ = (ALLOCATIONS_KEPT, LayoutInfo, ModelInfo, VersionInfo, Lease, Replica, Worke
 
 #: Manifest digests kept (computed once per shard of a version; ~100 ms for 50,000 tensors).
 DIGESTS_KEPT = 256
+#: The empty chunk set (shared: most partial replicas report none, chunk maps never do).
+_NONE: frozenset = frozenset()
 #: Most versions one retention pass retires (the rest on the next tick).
 RETIRE_PER_TICK = 8
 
@@ -120,6 +120,9 @@ class StateConfig:
     #: SIGSTOP, or starved) gives every worker a fresh ``worker_ttl`` instead of expiring
     #: them all at once. None: ``worker_ttl / 2`` (the shell ticks every second or faster).
     pause_grace: Optional[float] = None
+    #: Striped plans for pipelined readers where one source is scarce (``_stripes``);
+    #: False: the readers choose chunks among their sources by their chunk maps alone.
+    plans: bool = True
 
     @property
     def gap(self) -> float:
@@ -154,6 +157,12 @@ class CoordinatorState:
         self._ids = itertools.count(1)
         #: (model, version, layout, shard) -> digest of its manifest (registration by digest).
         self._digests: dict[tuple, str] = {}
+        #: (model, version, layout, shard) -> (its manifest, chunk bytes of its grid).
+        self._grids: dict[tuple, tuple[Manifest, int]] = {}
+        #: Striped plans (``_stripes``): (shard key, datacenter, root) -> plan, and
+        #: (shard key, worker) -> the plan it is a member of.
+        self.plans: dict[tuple, Plan] = {}
+        self.plan_of: dict[tuple, tuple] = {}
 
     # Read-only views (the tables live in the catalog and the registry).
     @property
@@ -275,6 +284,9 @@ class CoordinatorState:
             del self.seeders[key]
         for key in [k for k, (_, at) in self.fetching.items() if now > at + FETCH_STALE]:
             del self.fetching[key]
+        for pk in [pk for pk, p in self.plans.items() if now > p.last_used + 2 * self.config.lease_ttl]:
+            for w in self.plans.pop(pk).replicas:
+                self.plan_of.pop((pk[0], w), None)
         self.retire(now)
         return dead
 
@@ -402,12 +414,11 @@ class CoordinatorState:
                                       "bad_request")
         return req.model_copy(update={"manifest": known})
 
-    @staticmethod
-    def _check_partial(req: RegisterReplica, known: Optional[Manifest]) -> None:
+    def _check_partial(self, req: RegisterReplica, known: Optional[Manifest]) -> None:
         where = f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}"
         if known is None:
             raise ConflictError(f"partial replica of {where}, which has no complete replica yet", "unknown_layout")
-        grid = grid_chunk_bytes(known.nbytes)
+        grid = self._chunk_bytes(ShardKey(req.model, req.version, req.layout, req.shard), known)
         if req.chunk_bytes != grid or req.num_chunks < 1:
             raise ConflictError(
                 f"partial replica of {where}: chunk grid {req.chunk_bytes} bytes x {req.num_chunks} "
@@ -532,40 +543,66 @@ class CoordinatorState:
                                     or refresh.key != key):
             raise ConflictError(f"lease {req.lease_id} has lapsed or is not this reader's; read again",
                                 "lease_lapsed")
-        arrivals: set[str] = {  # readers of this shard now: spreads where concurrent readers start
+        # Readers of this shard now (only a new lease needs them: they spread where
+        # concurrent readers start).
+        arrivals: Optional[set[str]] = None if refresh is not None else {
             l.worker_id for l in self.registry.leases_of_shard(key)
-            if l.expires >= now and l is not refresh and l.worker_id != req.worker_id
+            if l.expires >= now and l.worker_id != req.worker_id
         }
         cands, by_id = [], {}
         own: Optional[frozenset] = None
         own_num = 0
         partials: list[tuple[Replica, Worker]] = []  # other readers' partial replicas
-        for r in self.registry.replicas_of_shard(key):
-            if r.worker_id == req.worker_id and r.chunks is not None and r.status_addr is None:
-                # (a chunk-map replica reports nothing: no reservations from its reports)
-                own, own_num = frozenset(r.chunks | r.coming), r.num_chunks
-            if r.chunks is not None and r.worker_id != req.worker_id:
-                arrivals.add(r.worker_id)
-                w = self.workers.get(r.worker_id)
+        workers, reg = self.workers, self.registry
+        for r in reg.replicas_of_shard(key):
+            partial, mine = r.chunks is not None, r.worker_id == req.worker_id
+            if mine:
+                if partial and r.status_addr is None:
+                    # (a chunk-map replica reports nothing: no reservations from its reports)
+                    own, own_num = frozenset(r.chunks | r.coming), r.num_chunks
+                continue
+            w = workers.get(r.worker_id)
+            if partial:
+                if arrivals is not None:
+                    arrivals.add(r.worker_id)
                 if req.pipelined and w is not None:
                     partials.append((r, w))
-            if r.draining or r.suspect_until > now or r.replica_id in excluded or r.worker_id == req.worker_id:
+            if w is None or r.draining or r.suspect_until > now or r.replica_id in excluded:
                 continue
-            w = self.workers.get(r.worker_id)
-            if w is None:
-                continue
-            load = sum(1 for l in self.registry.leases_naming((r.replica_id,)) if l.expires >= now and l is not refresh)
             by_id[r.replica_id] = (r, w)
-            cands.append(Candidate(r.replica_id, r.worker_id, w.locality, load,
-                                   r.registered_at, None if r.chunks is None else frozenset(r.chunks),
-                                   frozenset(r.coming) if r.chunks is not None else frozenset()))
+            cands.append(Candidate(r.replica_id, r.worker_id, w.locality, reg.load(r.replica_id, now, refresh),
+                                   r.registered_at,
+                                   None if not partial else frozenset(r.chunks) if r.chunks else _NONE,
+                                   frozenset(r.coming) if partial and r.coming else _NONE))
         skeys = {lvl: key + (lvl,) + group_key(reader.locality, lvl) for lvl in LEVELS}
         seeders = {}
         for lvl, skey in skeys.items():
             who = self.seeders.get(skey, (None, 0.0))[0]
             seeders[lvl] = (who, self._seeder_alive(now, who, key))
-        choice = choose_sources(reader.locality, req.worker_id, cands, max_sources=req.max_sources,
-                                pipelined=req.pipelined, seeders=seeders, policy=self.config.policy, have=own)
+        offered: Optional[tuple[Optional[str], str]] = None
+        planned = self._plan(now, req, key, reader, cands, by_id, refresh, seeders)
+        if planned is not None and refresh is None:
+            offered = self._serve_offer(now, req, li.num_shards)
+            if offered[0] is None:
+                planned = None  # (not serving: no member of a plan)
+            else:
+                planned[0].join(req.worker_id, offered[0], now)
+                self.plan_of[(key, req.worker_id)] = planned[1]
+        row: list[str] = []
+        again = 0.0
+        use: list[str] = []
+        if planned is not None:
+            plan = planned[0]
+            row, again = plan.parents(req.worker_id, now, lambda rid: rid not in by_id or rid in excluded)
+            use = [x for x in dict.fromkeys(row) if x != NONE] or ([plan.root] if plan.root in by_id else [])
+        if use:
+            who = f"member {plan.order[req.worker_id] + 1}" if req.worker_id in plan.order else "late"
+            choice = Choice(tuple((c, locality_cost(reader.locality, c.locality)) for c in cands if c.replica_id in use),
+                            (), f"striped plan, {who} of {len(plan.members)}" + (" (forming)" if again else ""))
+        else:  # no plan, or nothing left to read by it: the usual choice
+            planned, row, again = None, [], 0.0
+            choice = choose_sources(reader.locality, req.worker_id, cands, max_sources=req.max_sources,
+                                    pipelined=req.pipelined, seeders=seeders, policy=self.config.policy, have=own)
         if not choice.sources and not (req.pipelined and cands):
             self._check_gone(now, key, req.worker_id)
             raise ConflictError(
@@ -584,6 +621,7 @@ class CoordinatorState:
             self.registry.name_replicas(lease, ids)  # expiry: renew only
         else:
             lid = self._new_id("l")
+            assert arrivals is not None
             lease = Lease(lid, req.worker_id, req.model, req.version, req.layout, req.shard, ids, now,
                           now + self.config.lease_ttl, start_fraction(len(arrivals)), start_reverse(len(arrivals)))
             self.registry.add_lease(lease)
@@ -592,20 +630,24 @@ class CoordinatorState:
                 w.served_leases += 1
         # A scarce complete source (the publisher, the slow link) is split between readers
         # near each other, not raced for (_planner.claims / reserve_chunks).
-        held_back: dict[str, frozenset] = {}
-        for l in self.registry.leases_of_shard(key):
-            if l is not lease and l.expires >= now:
-                held_back[l.worker_id] = held_back.get(l.worker_id, frozenset()) | l.reserved
-        claimed = claims([(c, cost) for c, cost in choice.sources],
-                         [(locality_cost(reader.locality, w.locality), frozenset(r.coming),
-                           held_back.get(r.worker_id, frozenset())) for r, w in partials])
+        def nearby() -> Iterator[tuple]:  # consumed only when a source is scarce (``claims``)
+            held_back: dict[str, frozenset] = {}
+            for l in reg.leases_of_shard(key):
+                if l.reserved and l is not lease and l.expires >= now:
+                    held_back[l.worker_id] = held_back.get(l.worker_id, _NONE) | l.reserved
+            for r, w in partials:
+                yield (locality_cost(reader.locality, w.locality), frozenset(r.coming) if r.coming else _NONE,
+                       held_back.get(r.worker_id, _NONE))
+
+        claimed = None if planned is not None else claims([(c, cost) for c, cost in choice.sources], nearby())
         reserved: Optional[list[int]] = None
         if claimed is not None and own is not None:
             lease.reserved = reserve_chunks(chunk_order(own_num, lease.start, lease.reverse), own, claimed,
                                             lease.reserved)
             reserved = sorted(lease.reserved)
-        chunk_bytes = grid_chunk_bytes(li.manifests[req.shard].nbytes) if req.pipelined else 0
-        partial_id, refused = self._serve_offer(now, req, li.num_shards) if refresh is None else (None, "")
+        chunk_bytes = self._chunk_bytes(key, li.manifests[req.shard]) if req.pipelined else 0
+        partial_id, refused = offered if offered is not None else \
+            self._serve_offer(now, req, li.num_shards) if refresh is None else (None, "")
         grant = LeaseGrant(
             lease_id=lid,
             model=req.model,
@@ -615,8 +657,10 @@ class CoordinatorState:
             num_shards=li.num_shards,
             # Only clients that read manifests by version say so; older ones get it every time.
             manifest=li.manifests[req.shard] if req.manifest else None,
+            # Built from the registry's records, validated when they were registered: not
+            # validated again (a 50,000-tensor replica's addresses are ~6 ms each).
             replicas=[
-                ReplicaInfo(
+                ReplicaInfo.model_construct(
                     replica_id=r.replica_id, worker_id=w.worker_id, endpoint=w.endpoint,
                     locality=w.locality, addresses=r.addresses, cost=cost,
                     chunks=None if r.chunks is None else sorted(r.chunks),
@@ -636,10 +680,49 @@ class CoordinatorState:
             reason=choice.reason,
             partial_replica_id=partial_id,
             serve_refused=refused,
+            stripes=len(row),
+            stripe_sources=row,
+            refresh_after=max(0.0, again - now) if again else 0.0,
         )
         if req.request_id is not None and refresh is None:
             self.lease_requests[(req.worker_id, req.request_id)] = (lid, grant)
         return grant
+
+    def _chunk_bytes(self, key: ShardKey, man: Manifest) -> int:
+        """The shard's chunk grid (``grid_chunk_bytes`` of its size: a sum over every tensor,
+        so remembered per manifest rather than summed again for every lease)."""
+        hit = self._grids.get(key)
+        if hit is None or hit[0] is not man:
+            hit = self._grids[key] = (man, grid_chunk_bytes(man.nbytes))
+            while len(self._grids) > DIGESTS_KEPT:
+                self._grids.pop(next(iter(self._grids)))
+        return hit[1]
+
+    def _plan(self, now: float, req: AcquireLease, key: ShardKey, reader: Worker, cands: list, by_id: dict,
+              refresh: Optional[Lease], seeders: dict) -> Optional[tuple[Plan, tuple]]:
+        """The striped plan (``_stripes``) this reader reads by, and its key; None: the
+        usual choice. A new serving pipelined lease joins one where one source is scarce
+        (``_stripes.plan_root``); a refresh keeps the plan of its first grant."""
+        if refresh is not None:
+            pk = self.plan_of.get((key, req.worker_id))
+            return None if pk is None or pk not in self.plans else (self.plans[pk], pk)
+        o = req.serve
+        if not (req.pipelined and o is not None and self.config.plans and self.config.policy == "topology") \
+                or o.num_chunks < MIN_CHUNKS:
+            return None
+        who, alive = seeders.get(COST_DC, (None, False))
+        seeder_rid = None
+        if alive and who is not None and who != req.worker_id:
+            seeder_rid = next((rid for rid, (r, _) in by_id.items() if r.worker_id == who and r.chunks is not None),
+                              None)
+        root = plan_root(reader.locality, req.worker_id, cands, seeder_rid)
+        if root is None:
+            return None
+        pk = (key, reader.locality.datacenter, root)
+        plan = self.plans.get(pk)
+        if plan is None:
+            plan = self.plans[pk] = Plan(root, STRIPES, now)
+        return plan, pk
 
     def _serve_offer(self, now: float, req: AcquireLease, num_shards: int) -> tuple[Optional[str], str]:
         """Register the partial replica a new pipelined lease offers (``req.serve``):
@@ -648,11 +731,13 @@ class CoordinatorState:
         if o is None or not req.pipelined:
             return None, ""
         try:
-            rid, _ = self.register_replica(now, RegisterReplica(
+            # Built from fields already validated (the lease request and its offer, the same
+            # constraints): not validated again, which for 50,000 addresses is ~6 ms a lease.
+            rid, _ = self.register_replica(now, RegisterReplica.model_construct(
                 worker_id=req.worker_id, model=req.model, version=req.version, layout=req.layout, shard=req.shard,
-                num_shards=num_shards, manifest_digest=o.manifest_digest, addresses=o.addresses, partial=True,
-                chunk_bytes=o.chunk_bytes, num_chunks=o.num_chunks, status_addr=o.status_addr,
-                status_tag=o.status_tag))
+                num_shards=num_shards, manifest=None, manifest_digest=o.manifest_digest, addresses=o.addresses,
+                partial=True, chunk_bytes=o.chunk_bytes, num_chunks=o.num_chunks, status_addr=o.status_addr,
+                status_tag=o.status_tag, release=[]))
             return rid, ""
         except (ConflictError, NotFoundError, InvalidRequestError) as e:
             return None, e.message

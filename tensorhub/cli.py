@@ -26,7 +26,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     if args.keep_versions < 1:
         raise ConfigError(f"--keep-versions must be >= 1, got {args.keep_versions}")
     config = StateConfig(lease_ttl=args.lease_ttl, worker_ttl=args.worker_ttl, policy=args.planner,
-                         keep_versions=args.keep_versions)
+                         keep_versions=args.keep_versions, plans=args.plans)
 
     def ready(url: str) -> None:
         print(f"tensorhub coordinator serving on {url}", flush=True)
@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a read lease lasts unrenewed")
     c.add_argument("--planner", choices=["topology", "single-source"], default="topology",
                    help="source choice: topology-aware (default), or the benchmarks' single-source baseline")
+    c.add_argument("--plans", action=argparse.BooleanOptionalAction, default=True,
+                   help="striped plans for pipelined readers where one source is scarce (default); "
+                        "--no-plans: readers pick chunks by their sources' chunk maps alone (a baseline)")
     c.add_argument("--worker-ttl", type=float, default=10.0,
                    help="seconds without heartbeat after which a worker's replicas are dropped")
     c.add_argument("--keep-versions", type=int, default=16,

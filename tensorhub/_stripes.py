@@ -1,0 +1,263 @@
+"""Striped distribution trees: which source a pipelined reader reads each chunk from, fixed
+by the coordinator when it grants the lease (issue 13), not negotiated chunk by chunk.
+
+Why: with chunk maps (``_chunkmap``) the coordinator no longer hears which chunks a
+receiving reader holds, so it can no longer split a scarce complete source (the
+publisher's uplink, or the copy that crossed into a datacenter) between the readers by
+reservations. Readers racing for the same chunks made the publisher send each chunk to
+several of them (3-10x the version at 128-1,024 GPUs in ``benchmarks/simulate.py``) and
+left the readers' own uplinks half idle. A plan fixed at the grant makes every reader's
+uplink carry about one version and the root's exactly one, with no per-chunk messages.
+
+The plan (SplitStream-like), one per (model, version, layout, shard, datacenter, root):
+
+* the shard's chunks are dealt into ``stripes`` (D) stripes, chunk ``c`` in stripe
+  ``c % D``;
+* members are the serving pipelined readers of the shard in that datacenter, in the
+  order they asked (their *arrival index* a); member a is *interior* in stripe ``a % D``
+  and a *leaf* in the others (with fewer than D members, member ``s % members`` is
+  interior in stripe s too);
+* in stripe s the interior members form a D-ary tree in arrival order (the first one
+  reads the stripe from the root, the j-th from interior ``(j - 1) // D``); every leaf of
+  stripe s then hangs under the interior member of s with the fewest children (ties: the
+  later one, deeper in the tree). Each member thus sends about D children 1/D of the
+  version each (one version in all), the root sends every stripe once, and a chunk
+  travels about ``log_D(members / D) + 2`` hops;
+* the *root* is the datacenter's one complete replica (the publisher), or, when the
+  datacenter has none, its seeder's partial replica (the one reader that crosses the
+  slow link, ``_planner.choose_sources``).
+
+The layout needs the members, so a plan *forms* for ``window`` seconds after its first
+member joined: meanwhile member a < D reads its own stripe from the root (so the root
+sends from the first moment, and sends each stripe once) and the other stripes from the
+first members that carry them (asking once more after ``EARLY`` for those that had not
+come yet: up to two refreshes for these four), and a later member reads its
+own stripe from its interior parent and the other stripes from their least loaded
+interior member so far (earlier members only); every member is told to ask again (its
+one lease refresh) when the window closes and then gets its parents from the fixed,
+balanced layout (chunks already read stay read). Readers that join after that (late, e.g. an
+engine restarted mid-distribution) are leaves in every stripe, under the interior
+member with the fewest children; they are never parents.
+
+A parent a reader reported failing (``AcquireLease.exclude``) is replaced on that
+refresh by the next interior member of the stripe with the fewest children, or the
+root. Which chunks a parent holds the reader still learns from the parent's chunk map,
+so the plan decides *where from*, never *whether*: nobody reads a chunk that is not
+complete on its source (``_pipeline``'s invariant stands unchanged).
+
+Pure: no I/O and no clock of its own; the coordinator (``_state``) and the simulation
+(``benchmarks/simulate.py``) call the same code.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+__all__ = ["STRIPES", "WINDOW", "MIN_CHUNKS", "NONE", "Plan", "stripe_of", "layout", "plan_root"]
+
+#: Stripes per shard (the tree fan-out, too).
+STRIPES = 4
+#: Seconds a plan forms before its layout is fixed. Readers of one version ask within a
+#: few ms of each other on a quiet host, tens of ms on a loaded one; the window costs the
+#: root nothing (the first D members keep its uplink busy meanwhile).
+WINDOW = 0.05
+#: While a plan forms, one of the first D members that misses carriers of other stripes
+#: asks again after this long (once), to read those stripes from them.
+EARLY = 0.01
+#: Shards of fewer chunks get no plan (too small to pipeline through a tree).
+MIN_CHUNKS = 32
+#: "no parent (yet)" in a parents list.
+NONE = ""
+
+
+def stripe_of(chunk: int, stripes: int) -> int:
+    return chunk % stripes
+
+
+def layout(members: int, stripes: int) -> list[list[int]]:
+    """Parent of each member in each stripe, by arrival index (-1: the root)."""
+    d = max(1, stripes)
+    out = [[-1] * d for _ in range(members)]
+    for s in range(d):
+        # (fewer members than stripes: member s % members carries stripe s too)
+        inner = list(range(s, members, d)) or ([s % members] if members else [])
+        kids = {m: 0 for m in inner}
+        for j, m in enumerate(inner):
+            if j:
+                p = inner[(j - 1) // d]
+                out[m][s] = p
+                kids[p] += 1
+        if not inner:
+            continue
+        for m in range(members):
+            if m in kids:
+                continue
+            p = min(reversed(inner), key=lambda x: kids[x])  # fewest children; ties: the later
+            out[m][s] = p
+            kids[p] += 1
+    return out
+
+
+@dataclass
+class Plan:
+    """One plan (see the module docstring). ``members``: worker ids in arrival order
+    (``order``: worker id -> that index); ``replicas``: worker id -> its partial replica id
+    (``member_of``: a member's replica id -> its index)."""
+
+    root: str
+    stripes: int
+    opened: float
+    window: float = WINDOW
+    members: list[str] = field(default_factory=list)
+    order: dict[str, int] = field(default_factory=dict)
+    replicas: dict[str, str] = field(default_factory=dict)
+    member_of: dict[str, int] = field(default_factory=dict)
+    fixed: Optional[list[list[int]]] = None  # the layout, once the window closed
+    kids: dict[tuple[int, int], int] = field(default_factory=dict)  # (member, stripe) -> children
+    late: dict[str, list[str]] = field(default_factory=dict)  # late joiners' parents (replica ids)
+    last_used: float = 0.0
+    #: While forming: each member's provisional parents (arrival indices, -1 the root, None
+    #: none), and per stripe a heap of (children, -index) of its interior members so far.
+    prov: list[list[Optional[int]]] = field(default_factory=list)
+    _heaps: list[list[tuple[int, int]]] = field(default_factory=list)
+    _pk: dict[tuple[int, int], int] = field(default_factory=dict)  # provisional children
+    _early: set = field(default_factory=set)  # first members told to ask again early
+
+    @property
+    def closes(self) -> float:
+        return self.opened + self.window
+
+    def join(self, worker: str, replica_id: str, now: float) -> None:
+        self.last_used = now
+        if worker in self.replicas or worker in self.late:
+            return
+        if self.fixed is None and now < self.closes:
+            self.order[worker] = len(self.members)
+            self.member_of[replica_id] = len(self.members)
+            self.members.append(worker)
+            self.replicas[worker] = replica_id
+            self._provisional(len(self.members) - 1)
+        else:
+            self._fix()
+            self.late[worker] = [NONE] * self.stripes
+            self.replicas[worker] = replica_id
+
+    def _provisional(self, a: int) -> None:
+        """Parents of the newest member while the plan forms: members 0..D-1 read their own
+        stripe from the root (so the root sends every stripe once) and nothing else yet;
+        a later member reads its own stripe from its interior parent (as in the layout)
+        and each other stripe from that stripe's interior member with the fewest children
+        so far -- earlier members only, so nobody waits on a reader below it."""
+        d = self.stripes
+        if not self._heaps:
+            self._heaps = [[] for _ in range(d)]
+        own = a % d
+        row: list[Optional[int]] = [None] * d
+        j = a // d
+        row[own] = -1 if j == 0 else ((j - 1) // d) * d + own
+        if a >= d:
+            for s in range(d):
+                if s != own:
+                    row[s] = self._least(s)
+        for s, p in enumerate(row):
+            if p is not None and p >= 0:
+                self._pk[(p, s)] = self._pk.get((p, s), 0) + 1
+                heapq.heappush(self._heaps[s], (self._pk[(p, s)], -p))
+        heapq.heappush(self._heaps[own], (0, -a))
+        self.prov.append(row)
+
+    def _least(self, s: int) -> int:
+        """The interior member of stripe ``s`` with the fewest provisional children (ties:
+        the later one); its heap holds stale counts, skipped."""
+        h = self._heaps[s]
+        while True:
+            n, neg = h[0]
+            if self._pk.get((-neg, s), 0) == n:
+                return -neg
+            heapq.heappop(h)
+
+    def _fix(self) -> None:
+        if self.fixed is None:
+            self.fixed = layout(len(self.members), self.stripes)
+            for m, row in enumerate(self.fixed):
+                for s, p in enumerate(row):
+                    if p >= 0:
+                        self.kids[(p, s)] = self.kids.get((p, s), 0) + 1
+
+    def _rid(self, member: int) -> str:
+        return self.root if member < 0 else self.replicas[self.members[member]]
+
+    def parents(self, worker: str, now: float, bad: Callable[[str], bool] = lambda rid: False
+                ) -> tuple[list[str], float]:
+        """``worker``'s parent replica per stripe (``NONE``: read that stripe from nobody
+        yet) and, while the plan forms, when to ask again (0: the plan is fixed).
+        ``bad(replica_id)``: that replica failed, is gone or was reported by the reader
+        (replaced; never handed out)."""
+        self.last_used = now
+        if self.fixed is None and now < self.closes:
+            a, d = self.order[worker], self.stripes
+            again = self.closes
+            if a < d:  # the root for its own stripe, the first members for theirs (as they come)
+                row = [self.root if s == a else self._rid(s) if s < len(self.members) else NONE for s in range(d)]
+                if NONE in row and worker not in self._early:
+                    self._early.add(worker)  # once: ask again soon, for the carriers still to come
+                    again = min(self.closes, now + EARLY)
+            else:
+                row = [NONE if p is None else self._rid(p) for p in self.prov[a]]
+            return [NONE if x != NONE and bad(x) else x for x in row], again
+        self._fix()
+        assert self.fixed is not None
+        if worker in self.late:
+            row = self.late[worker]
+            for s in range(self.stripes):
+                if row[s] == NONE or bad(row[s]):
+                    row[s] = self._adopt(s, bad)
+            return list(row), 0.0
+        a = self.order[worker]
+        row = [self._rid(p) for p in self.fixed[a]]
+        for s in range(self.stripes):
+            if row[s] != NONE and bad(row[s]):
+                # (an interior member adopts only an earlier one: never its own descendant)
+                new = self._adopt(s, bad, exclude=a, before=a if a % self.stripes == s else None)
+                row[s] = new
+                if new == NONE:
+                    continue  # (nobody left to read that stripe from: the reader's fallback)
+                old = self.fixed[a][s]
+                if old >= 0:
+                    self.kids[(old, s)] = self.kids.get((old, s), 1) - 1
+                self.fixed[a][s] = -1 if new == self.root else self.member_of[new]
+        return row, 0.0
+
+    def _adopt(self, s: int, bad: Callable[[str], bool], exclude: Optional[int] = None, before: Optional[int] = None) -> str:
+        """A parent in stripe ``s`` for a late or orphaned reader: the interior member of
+        ``s`` (arrived before ``before``, if given) with the fewest children, else the
+        root (NONE if that failed too)."""
+        n = len(self.members)
+        end = n if before is None else before
+        carriers = range(s, end, self.stripes) if s < n else [s % n] if n and s % n < end else []
+        inner = [m for m in carriers if m != exclude and not bad(self._rid(m))]
+        if not inner:
+            return NONE if bad(self.root) else self.root
+        p = min(reversed(inner), key=lambda m: self.kids.get((m, s), 0))
+        self.kids[(p, s)] = self.kids.get((p, s), 0) + 1
+        return self._rid(p)
+
+
+def plan_root(reader, reader_id: str, cands, seeder_replica: Optional[str]) -> Optional[str]:
+    """The root of a plan for a reader at locality ``reader``, or None (no plan: the usual
+    choice, ``_planner.choose_sources``). ``cands``: the shard's serving replicas (as
+    ``_planner.Candidate``); ``seeder_replica``: the partial replica of its datacenter's
+    live seeder, if another reader is that. A plan only where one source is scarce: the
+    datacenter has exactly one complete replica, not on the reader's host (a same-host
+    copy is read at memory speed), or none and a seeder bringing the version in."""
+    complete = [c for c in cands if c.complete and c.worker_id != reader_id
+                and c.locality.datacenter == reader.datacenter]
+    if any(c.locality.host == reader.host for c in complete):
+        return None
+    if len(complete) == 1:
+        return complete[0].replica_id
+    if not complete and seeder_replica is not None:
+        return seeder_replica
+    return None

@@ -1,0 +1,229 @@
+"""Striped plans (tensorhub/_stripes.py): the layout's shape (every stripe reachable from the
+root without cycles, the root sends each stripe once, nobody uploads much more than a
+version), the forming window, late joiners, failed parents, and the coordinator's grants
+(CoordinatorState: which readers get a plan, and the sources it names)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from tensorhub._stripes import EARLY, MIN_CHUNKS, NONE, STRIPES, WINDOW, Plan, layout, plan_root, stripe_of
+
+
+def _depth(lay, m, s, seen=()):
+    p = lay[m][s]
+    if p < 0:
+        return 1
+    assert p not in seen and p != m, f"cycle through member {m} in stripe {s}"
+    return 1 + _depth(lay, p, s, seen + (m,))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 16, 33, 128, 1024])
+def test_layout_reaches_everyone_from_the_root_once_per_stripe(n):
+    d = STRIPES
+    lay = layout(n, d)
+    kids = collections.Counter((p, s) for row in lay for s, p in enumerate(row))
+    # The root sends every stripe exactly once: one child per stripe.
+    assert all(kids[(-1, s)] == 1 for s in range(d)), kids
+    uploads = collections.Counter(p for (p, s), k in kids.items() for _ in range(k) if p >= 0)
+    depth = max(_depth(lay, m, s) for m in range(n) for s in range(d))
+    if n >= d:
+        # every member uploads at most D stripe copies (one version); a few members more
+        # than D but not a multiple of it leave one stripe with fewer carriers (n=7: one
+        # member carries stripe 3 to the six others, 1.5 versions)
+        assert max(uploads.values(), default=0) <= (d if n % d == 0 or n >= d * d else 2 * d), uploads
+        # ... and interior members are the members of that stripe (a % D)
+        assert all(p % d == s for (p, s) in kids if p >= 0)
+    else:  # fewer members than stripes: one member carries several stripes
+        assert sum(uploads.values()) == n * d - d
+    # the tree is shallow: about log_D(n / D) + 2 hops
+    import math
+
+    assert depth <= max(2, math.ceil(math.log(max(n, 1), d))) + 2, depth
+
+
+def test_interior_parents_arrived_earlier():
+    lay = layout(300, STRIPES)
+    for m, row in enumerate(lay):
+        s = m % STRIPES
+        assert row[s] < m  # (-1 = the root) an interior member's parent in its own stripe came before it
+
+
+def test_plan_forms_then_fixes_and_answers_the_layout():
+    p = Plan("root", STRIPES, opened=10.0)
+    for k in range(9):
+        p.join(f"w{k}", f"r{k}", 10.0 + k * 0.001)
+    row, again = p.parents("w0", 10.01)  # the first: its stripe from the root, the others
+    assert row == ["root", "r1", "r2", "r3"] and again == pytest.approx(10.0 + WINDOW)  # from their carriers
+    q = Plan("root", STRIPES, opened=0.0)
+    q.join("w0", "r0", 0.0)
+    row, again = q.parents("w0", 0.0)  # alone so far: ask again soon (once), then at the close
+    assert row == ["root", NONE, NONE, NONE] and again == pytest.approx(EARLY)
+    q.join("w1", "r1", 0.005)
+    row, again = q.parents("w0", EARLY)
+    assert row == ["root", "r1", NONE, NONE] and again == pytest.approx(WINDOW)
+    row, again = p.parents("w5", 10.01)  # not among the first D: earlier members, by stripe
+    assert again and row[1] == "r1" and all(x.startswith("r") and int(x[1:]) < 5 for x in row)
+    # while forming, the root is read for each stripe by one member only (the first D
+    # carry a stripe each, straight from the root), and every later member's provisional
+    # parents arrived before it (nobody waits on a reader below it)
+    rows = [p.parents(f"w{k}", 10.01)[0] for k in range(9)]
+    assert sorted(s for r in rows for s, x in enumerate(r) if x == "root") == list(range(STRIPES))
+    assert all(int(x[1:]) < k for k, r in enumerate(rows) if k >= STRIPES for x in r)
+    assert all(r == ["root" if s == k else f"r{s}" for s in range(STRIPES)] for k, r in enumerate(rows[:STRIPES]))
+    lay = layout(9, STRIPES)
+    for k in range(9):
+        row, again = p.parents(f"w{k}", 10.0 + WINDOW)
+        assert again == 0.0
+        assert row == ["root" if q < 0 else f"r{q}" for q in lay[k]]
+    # joining again (a retry) changes nothing
+    p.join("w3", "r3", 11.0)
+    assert p.members == [f"w{k}" for k in range(9)]
+
+
+def test_late_joiners_are_leaves_under_the_least_loaded():
+    p = Plan("root", STRIPES, opened=0.0)
+    for k in range(16):
+        p.join(f"w{k}", f"r{k}", 0.0)
+    p.join("late", "rl", 1.0)
+    row, again = p.parents("late", 1.0)
+    assert again == 0.0 and all(x.startswith("r") and x != "root" for x in row)
+    # in stripe s, its parent is an interior member of s (one that carries that stripe)
+    assert all(int(x[1:]) % STRIPES == s for s, x in enumerate(row))
+    assert p.parents("late", 2.0)[0] == row  # stable
+
+
+def test_failed_parent_is_replaced_never_by_a_descendant():
+    n = 64
+    p = Plan("root", STRIPES, opened=0.0)
+    for k in range(n):
+        p.join(f"w{k}", f"r{k}", 0.0)
+    lay = layout(n, STRIPES)
+    m = 41  # interior in stripe 1
+    s = m % STRIPES
+    parent = lay[m][s]
+    assert parent >= 0
+    dead = {f"r{parent}"}
+    row, _ = p.parents(f"w{m}", 1.0, lambda rid: rid in dead)
+    assert row[s] != f"r{parent}" and row[s] != NONE
+    new = -1 if row[s] == "root" else int(row[s][1:])
+    assert new < m  # an earlier interior member (never one below m in the stripe's tree)
+    assert new == -1 or new % STRIPES == s
+    # the root failed too and nobody is left in that stripe before m: "" (the reader's fallback)
+    everyone = {f"r{k}" for k in range(n)} | {"root"}
+    row, _ = p.parents(f"w{m}", 1.0, lambda rid: rid in everyone)
+    assert row[s] == NONE
+
+
+def test_stripe_of():
+    assert [stripe_of(c, 4) for c in range(6)] == [0, 1, 2, 3, 0, 1]
+
+
+# ---------------------------------------------------------------- where a plan applies
+def _cand(rid, wid, host, dc="a", complete=True):
+    from tensorhub._planner import Candidate
+    from tensorhub._wire import Locality
+
+    return Candidate(rid, wid, Locality(datacenter=dc, zone="z", host=host), chunks=None if complete else frozenset())
+
+
+def test_plan_root_only_where_one_source_is_scarce():
+    from tensorhub._wire import Locality
+
+    me = Locality(datacenter="a", zone="z", host="h1")
+    pub = _cand("rp", "pub", "h0")
+    assert plan_root(me, "me", [pub], None) == "rp"
+    assert plan_root(me, "me", [pub, _cand("rq", "q", "h2")], None) is None  # two complete: no plan
+    assert plan_root(me, "me", [_cand("rs", "s", "h1")], None) is None  # a complete copy on my host
+    assert plan_root(me, "me", [_cand("rx", "x", "h9", dc="b")], "rseed") == "rseed"  # the seeder's copy
+    assert plan_root(me, "me", [_cand("rx", "x", "h9", dc="b")], None) is None  # I will be the seeder
+
+
+# ---------------------------------------------------------------- the coordinator's grants
+def _state_with_version(nreaders, num_chunks=64, dcs=("a",)):
+    from tensorhub._state import CoordinatorState, StateConfig
+    from tensorhub._wire import Locality, Manifest, RegisterReplica, TensorSpec
+
+    st = CoordinatorState(StateConfig(lease_ttl=30.0, worker_ttl=30.0), now=0.0)
+    st.register_worker(0.0, "pub", "pub:1", Locality(datacenter="a", zone="z", host="hp"))
+    v = st.allocate_version(0.0, "m")
+    man = Manifest(tensors=[TensorSpec(name="w", dtype="uint8", shape=[num_chunks << 20], nbytes=num_chunks << 20)])
+    st.register_replica(0.0, RegisterReplica(worker_id="pub", model="m", version=v, manifest=man,
+                                             addresses=[1 << 20], num_shards=1))
+    for k in range(nreaders):
+        st.register_worker(0.0, f"w{k}", f"w{k}:1", Locality(datacenter=dcs[k % len(dcs)], zone="z", host=f"h{k}"))
+    return st, v, man
+
+
+def _lease(st, v, man, k, now, num_chunks=64, lease_id=None, exclude=()):
+    from tensorhub._planner import grid_chunk_bytes
+    from tensorhub._wire import AcquireLease, ServeOffer, manifest_digest
+
+    serve = None if lease_id else ServeOffer(manifest_digest=manifest_digest(man), addresses=[(k + 2) << 30],
+                                             chunk_bytes=grid_chunk_bytes(man.nbytes), num_chunks=num_chunks,
+                                             status_addr=7 << 30, status_tag=k + 1)
+    return st.acquire_lease(now, AcquireLease(worker_id=f"w{k}", model="m", version=v, pipelined=True, manifest=False,
+                                              serve=serve, lease_id=lease_id, exclude=list(exclude)))
+
+
+def test_coordinator_grants_follow_the_plan():
+    n = 12
+    st, v, man = _state_with_version(n)
+    first = [_lease(st, v, man, k, 0.001 * k) for k in range(n)]
+    pub = first[0].replicas[0].replica_id
+    assert all(g.stripes == STRIPES and g.refresh_after > 0 for g in first)
+    assert first[0].stripe_sources == [pub, NONE, NONE, NONE]  # forming: the first reads its stripe from the root
+    assert pub not in first[5].stripe_sources and NONE not in first[5].stripe_sources
+    ids = {f"w{k}": g.partial_replica_id for k, g in enumerate(first)}
+    lay = layout(n, STRIPES)
+    for k, g in enumerate(first):
+        r = _lease(st, v, man, k, 0.001 * n + WINDOW, lease_id=g.lease_id)
+        assert r.refresh_after == 0.0
+        want = [pub if q < 0 else ids[f"w{q}"] for q in lay[k]]
+        assert r.stripe_sources == want
+        # the lease names exactly the parents (and what it named before)
+        assert {x.replica_id for x in r.replicas} == set(want)
+        assert r.claimed == [] and r.reserved is None
+
+
+def test_coordinator_replaces_a_reported_parent():
+    n = 8
+    st, v, man = _state_with_version(n)
+    first = [_lease(st, v, man, k, 0.0) for k in range(n)]
+    g = _lease(st, v, man, 6, 1.0, lease_id=first[6].lease_id)
+    bad = g.stripe_sources[0]
+    r = _lease(st, v, man, 6, 1.1, lease_id=first[6].lease_id, exclude=[bad])
+    assert r.stripe_sources[0] not in (bad, NONE)
+    assert bad not in r.stripe_sources
+
+
+def test_small_shards_and_old_clients_get_no_plan():
+    from tensorhub._wire import AcquireLease
+
+    st, v, man = _state_with_version(2, num_chunks=MIN_CHUNKS - 1)
+    g = _lease(st, v, man, 0, 0.0, num_chunks=MIN_CHUNKS - 1)
+    assert g.stripes == 0 and g.stripe_sources == [] and g.refresh_after == 0.0
+    st, v, man = _state_with_version(2)
+    g = st.acquire_lease(0.0, AcquireLease(worker_id="w1", model="m", version=v, pipelined=True))  # no serve offer
+    assert g.stripes == 0
+
+
+def test_no_plans_config_turns_them_off():
+    from tensorhub._state import StateConfig
+
+    st, v, man = _state_with_version(3)
+    st.config = StateConfig(lease_ttl=30.0, worker_ttl=30.0, plans=False)
+    assert _lease(st, v, man, 0, 0.0).stripes == 0
+
+
+def test_plans_are_forgotten_when_unused():
+    st, v, man = _state_with_version(3)
+    _lease(st, v, man, 0, 0.0)
+    assert st.plans
+    for k in range(3):
+        st.heartbeat(200.0, f"w{k}")
+    st.heartbeat(200.0, "pub")
+    st.expire(200.0)
+    assert not st.plans and not st.plan_of
