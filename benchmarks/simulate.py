@@ -313,7 +313,8 @@ FIRST_REFRESH = 0.1  # the one refresh comes no sooner than this after the read 
 MAX_REFRESHES = 1
 REFRESH = 0.05  # refresh_interval (idle; twice that while every source is busy)
 CLAIM_PATIENCE = 0.5
-SPILL = True  # a plan's member also serves chunks of stripes it does not parent, when idle
+SPILL = True  # a plan's member also serves chunks of stripes it does not parent, when idle (the
+#               reader's stripe parent holding that whole stripe already)
 PLAN_STATUS_INTERVAL = 0.002  # ... for a reader with a plan (parents it follows closely)
 LEASE_TTL = 30.0  # renewals every max(0.1, ttl / 3): none in a read shorter than 10 s
 FIXED_CALLS = 2  # resolve ("latest") and the manifest GET, before the lease (1: the version was named)
@@ -425,7 +426,7 @@ class MapSim(Sim):
             plan = self.plans.get(r.plan_key)
             if plan is None:
                 plan = self.plans[r.plan_key] = Plan(root, STRIPES, self.now)
-            plan.join(str(r.wid), self._rid_of(r.wid), self.now)
+            plan.join(str(r.wid), self._rid_of(r.wid), self.now, r.loc.host)
         plan = self.plans[r.plan_key]
         row, again = plan.parents(str(r.wid), self.now)
         r.plan, r.plan_refresh = row, again
@@ -463,6 +464,19 @@ class MapSim(Sim):
             self.seeders[keys[lvl]] = r.wid
         self._take(r, [(c, cost) for c, cost in ch.sources])
 
+    def _spillable(self, r: MapReader) -> list:
+        """``PipelinedReader._spillable``: the chunks still needed of the stripes whose
+        (partial) parent's map showed the whole stripe."""
+        d = len(r.plan)
+        by = {c.replica_id: c for c, _ in r.sources}
+        done = set()
+        for t, rid in enumerate(r.plan):
+            p = by.get(rid)
+            if p is not None and p.chunks is not None and \
+                    r.avail.get(int(p.worker_id), frozenset()).issuperset(range(t, self.n, d)):
+                done.add(t)
+        return [x for x in r.need if x % d in done] if done else []
+
     def _held(self, r: MapReader, c: Candidate) -> Optional[frozenset]:
         return None if c.chunks is None else r.avail.get(int(c.worker_id), frozenset())
 
@@ -482,9 +496,10 @@ class MapSim(Sim):
                 if r.plan is not None and not stalled:  # its plan: each stripe from its parent first
                     d = len(r.plan)
                     ch = pick_chunk([x for x in r.need if r.plan[x % d] == c.replica_id], held, [], set())
-                    if ch is None and held is not None and SPILL:  # a member: what it holds of other stripes
+                    if ch is None and held is not None and SPILL:  # a member: what it holds of the
+                        # stripes whose parent already holds all of theirs (as PipelinedReader._spillable)
                         others = [self._held(r, o) for o, _ in r.sources if o is not c]
-                        ch = pick_chunk(r.need, held, others, set())
+                        ch = pick_chunk(self._spillable(r), held, others, set())
                 else:
                     others = [self._held(r, o) for o, _ in r.sources if o is not c]
                     coming = frozenset().union(*(r.mcoming.get(int(o.worker_id), frozenset()) for o, _ in r.sources))

@@ -125,7 +125,8 @@ class PipelinedReader(ShardReader):
         #: is followed closely: it forwards what it receives, chunk by chunk).
         self.plan_status_interval = 0.002
         #: Under a plan, also read other stripes' chunks from a member that holds them when
-        #: it has nothing new of its own stripes (never from the root).
+        #: it has nothing new of its own stripes (never from the root), once that stripe's
+        #: parent holds all of it (``_spillable``).
         self.spill = True
 
     # Policy hooks (``ShardReader._loop``): the reader's own chunk order; each source is
@@ -187,13 +188,37 @@ class PipelinedReader(ShardReader):
             if c is None and have is not None and self.spill:
                 # A member (never the root) with nothing new of its stripes: what it holds of
                 # the others, rarest first -- a link the plan left idle is used, not waited on.
-                c = pick_chunk(need, have, others, set())
+                c = pick_chunk(self._spillable(need, sources), have, others, set())
             return c
         if stalled:
             coming = frozenset()  # stalled: do not wait on others' promises any longer
         elif have is None and self.reserved is not None:
             order, coming = [c for c in need if c in self.reserved], frozenset()
         return pick_chunk(order, have, others, set(), coming)
+
+    def _spillable(self, need, sources) -> list[int]:
+        """Under a plan, the chunks still needed that another member may be asked for (the
+        spill-over): only those of stripes whose parent -- a partial replica -- already
+        holds the whole stripe (its map said so). Why: every member is an interior node of
+        one stripe, so its uplink is the plan's budget for its own children; a chunk pulled
+        from it while the stripe is still flowing down the tree takes that uplink from them
+        and the lag grows at every hop (at 1,024 GPUs ``benchmarks/simulate.py`` had 2/3 of
+        all chunks spilled, the tail 0.1-0.2 s). Once the parent holds the whole stripe,
+        what is left is only its uplink being shared by its children: spilling then uses
+        another's idle moments for the tail. A stripe read from the root (complete) or
+        from nobody yet is never spilled."""
+        plan = self.plan
+        if plan is None:
+            return []
+        d, n = len(plan), len(self.chunks)
+        by = {s.replica_id: s for s in sources}
+        done = set()
+        for t, rid in enumerate(plan):
+            src = by.get(rid)
+            have = None if src is None else self.held(src)
+            if src is not None and have is not None and have.issuperset(range(t, n, d)):
+                done.add(t)
+        return [c for c in need if c % d in done] if done else []
 
     def _refresh(self, need, sources, failed, get_sources, busy, now: float) -> None:
         """Chunk maps: take in those that arrived, read again those of sources idling for

@@ -586,7 +586,7 @@ class CoordinatorState:
             if offered[0] is None:
                 planned = None  # (not serving: no member of a plan)
             else:
-                planned[0].join(req.worker_id, offered[0], now)
+                planned[0].join(req.worker_id, offered[0], now, reader.locality.host)
                 self.plan_of[(key, req.worker_id)] = planned[1]
         row: list[str] = []
         again = 0.0

@@ -19,10 +19,20 @@ The plan (SplitStream-like), one per (model, version, layout, shard, datacenter,
   interior in stripe s too);
 * in stripe s the interior members form a D-ary tree in arrival order (the first one
   reads the stripe from the root, the j-th from interior ``(j - 1) // D``); every leaf of
-  stripe s then hangs under the interior member of s with the fewest children (ties: the
-  later one, deeper in the tree). Each member thus sends about D children 1/D of the
-  version each (one version in all), the root sends every stripe once, and a chunk
-  travels about ``log_D(members / D) + 2`` hops;
+  stripe s then hangs under an interior member of s *on its own host* if there is one
+  (the one with the fewest such children; read over NVLink / memory, off the network), else
+  under the interior member of s with the fewest children over the network (ties: the
+  later one, deeper in the tree). Each member thus sends at most about D children 1/D of
+  the version each over the network (one version in all), the root sends every stripe
+  once, and a chunk travels about ``log_D(members / D) + 2`` hops;
+
+  Why hosts count (issue 13): with 8 GPUs of a node in one plan, a node's 6 leaves of a
+  stripe were spread over other nodes' interior members, so every interior NIC uplink
+  carried exactly its stripe's rate to 4 children: no slack, and any late chunk made the
+  lag grow hop by hop (``benchmarks/simulate.py`` at 128-1,024 GPUs: a tail of 0.07-0.12 s
+  after the publisher's last chunk). Reading a stripe from a host-mate leaves most
+  interior uplinks with one or two network children, and a leaf's last hop takes a
+  fraction of a millisecond;
 * the *root* is the datacenter's one complete replica (the publisher), or, when the
   datacenter has none, its seeder's partial replica (the one reader that crosses the
   slow link, ``_planner.choose_sources``).
@@ -53,7 +63,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 __all__ = ["STRIPES", "WINDOW", "MIN_CHUNKS", "NONE", "Plan", "stripe_of", "layout", "plan_root"]
 
@@ -76,8 +86,14 @@ def stripe_of(chunk: int, stripes: int) -> int:
     return chunk % stripes
 
 
-def layout(members: int, stripes: int) -> list[list[int]]:
-    """Parent of each member in each stripe, by arrival index (-1: the root)."""
+def _same_host(hosts: Sequence[Optional[str]], a: int, b: int) -> bool:
+    return hosts[a] is not None and hosts[a] == hosts[b]
+
+
+def layout(members: int, stripes: int, hosts: Optional[Sequence[Optional[str]]] = None) -> list[list[int]]:
+    """Parent of each member in each stripe, by arrival index (-1: the root). ``hosts``:
+    each member's host (None: unknown); a leaf reads a stripe from an interior member on
+    its own host when there is one (the module docstring says why)."""
     d = max(1, stripes)
     out = [[-1] * d for _ in range(members)]
     for s in range(d):
@@ -91,12 +107,23 @@ def layout(members: int, stripes: int) -> list[list[int]]:
                 kids[p] += 1
         if not inner:
             continue
+        local: dict[str, list[int]] = {}
+        if hosts is not None:
+            for m in inner:
+                if hosts[m] is not None:
+                    local.setdefault(hosts[m], []).append(m)
+        near = {m: 0 for m in inner}
         for m in range(members):
             if m in kids:
                 continue
-            p = min(reversed(inner), key=lambda x: kids[x])  # fewest children; ties: the later
+            mates = local.get(hosts[m]) if hosts is not None and hosts[m] is not None else None
+            if mates:  # a host-mate carries the stripe: read it there, off the network
+                p = min(reversed(mates), key=lambda x: near[x])
+                near[p] += 1
+            else:
+                p = min(reversed(inner), key=lambda x: kids[x])  # fewest children; ties: the later
+                kids[p] += 1
             out[m][s] = p
-            kids[p] += 1
     return out
 
 
@@ -114,8 +141,9 @@ class Plan:
     order: dict[str, int] = field(default_factory=dict)
     replicas: dict[str, str] = field(default_factory=dict)
     member_of: dict[str, int] = field(default_factory=dict)
+    hosts: list = field(default_factory=list)  # each member's host (None: unknown)
     fixed: Optional[list[list[int]]] = None  # the layout, once the window closed
-    kids: dict[tuple[int, int], int] = field(default_factory=dict)  # (member, stripe) -> children
+    kids: dict[tuple[int, int], int] = field(default_factory=dict)  # (member, stripe) -> network children
     late: dict[str, list[str]] = field(default_factory=dict)  # late joiners' parents (replica ids)
     last_used: float = 0.0
     #: While forming: each member's provisional parents (arrival indices, -1 the root, None
@@ -129,7 +157,7 @@ class Plan:
     def closes(self) -> float:
         return self.opened + self.window
 
-    def join(self, worker: str, replica_id: str, now: float) -> None:
+    def join(self, worker: str, replica_id: str, now: float, host: Optional[str] = None) -> None:
         self.last_used = now
         if worker in self.replicas or worker in self.late:
             return
@@ -137,6 +165,7 @@ class Plan:
             self.order[worker] = len(self.members)
             self.member_of[replica_id] = len(self.members)
             self.members.append(worker)
+            self.hosts.append(host)
             self.replicas[worker] = replica_id
             self._provisional(len(self.members) - 1)
         else:
@@ -180,10 +209,10 @@ class Plan:
 
     def _fix(self) -> None:
         if self.fixed is None:
-            self.fixed = layout(len(self.members), self.stripes)
+            self.fixed = layout(len(self.members), self.stripes, self.hosts)
             for m, row in enumerate(self.fixed):
                 for s, p in enumerate(row):
-                    if p >= 0:
+                    if p >= 0 and not _same_host(self.hosts, p, m):  # (children over the network)
                         self.kids[(p, s)] = self.kids.get((p, s), 0) + 1
 
     def _rid(self, member: int) -> str:

@@ -283,6 +283,35 @@ def test_striped_plan_a_parent_dies_its_children_finish(hubs):
     assert any(f.failed_sources for n, f in res.items() if n != "r1")
 
 
+def test_striped_plan_spills_only_stripes_whose_parent_holds_all_of_them():
+    """Under a plan a member with nothing new of its own stripes may read other stripes'
+    chunks from a source (the spill-over), but only of a stripe whose parent already holds
+    the whole stripe: before that, the chunk is on its way down the stripe's tree and
+    pulling it from another member takes that member's uplink from its own children."""
+    from collections import deque
+
+    from tensorhub._pipeline import PipelinedReader, PSource
+
+    r = PipelinedReader(InMemoryTransport(), [8 * 1024], [0], chunk_bytes=1024)  # 8 chunks, 4 stripes
+    assert len(r.chunks) == 8
+    r.follow_plan(["root", "rA", "rB", "rC"], 0.0)  # stripe s = chunks {s, s + 4}: 1 from rA, 2 from rB
+    root = PSource("root", "p", "p", (0,), "l")
+    a, b, c = (PSource(x, x, x, (0,), "l", 1, None, frozenset(), 64, 1, 8) for x in ("rA", "rB", "rC"))
+    sources = [root, a, b, c]
+    r.avail = {"rA": frozenset({1}), "rB": frozenset({2, 6}), "rC": frozenset({3, 7, 5, 6})}
+    need = deque([5, 6])  # chunk 5 (stripe 1: its parent rA lacks it) and 6 (stripe 2: rB holds it all)
+    # rC has nothing new of stripe 3 for us; of what it holds, only 6 may be spilled: rA is
+    # still receiving stripe 1, so 5 comes from rA, down the tree
+    assert r._pick(c, need, sources, {}, 0.0) == 6
+    r.avail["rB"] = frozenset({6})  # rB lacks chunk 2 of its stripe: stripe 2 is still flowing
+    assert r._pick(c, need, sources, {}, 0.0) is None
+    r.avail["rA"] = frozenset({1, 5})  # rA holds stripe 1 whole: 5 may be spilled now
+    assert r._pick(c, need, sources, {}, 0.0) == 5
+    assert r._pick(a, need, sources, {}, 0.0) == 5  # (its parent: the plan, not a spill)
+    r.spill = False
+    assert r._pick(c, need, sources, {}, 0.0) is None
+
+
 # ---------------------------------------------------------------- real processes, real Mooncake
 @pytest.mark.multiprocess
 def test_real_mooncake_fan_out_and_cross_datacenter(coordinator):

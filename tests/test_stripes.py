@@ -51,6 +51,53 @@ def test_interior_parents_arrived_earlier():
         assert row[s] < m  # (-1 = the root) an interior member's parent in its own stripe came before it
 
 
+def test_layout_leaves_read_a_stripe_from_a_host_mate_off_the_network():
+    """8 members to a host (GPUs of a node): a leaf of stripe s reads it from an interior
+    member of s on its own host, so interior uplinks carry only the interior tree over the
+    network; hosts unknown (None) or all different: the layout without hosts."""
+    d, n = STRIPES, 256
+    hosts = [f"h{m // 8}" for m in range(n)]
+    lay = layout(n, d, hosts)
+    plain = layout(n, d)
+    net = collections.Counter()
+    for m, row in enumerate(lay):
+        for s, p in enumerate(row):
+            if m % d == s:
+                assert p == plain[m][s]  # the interior tree is unchanged
+            else:  # a leaf of s: under an interior member of s on its own host
+                assert p >= 0 and p % d == s and hosts[p] == hosts[m], (m, s, p)
+            if p >= 0 and hosts[p] != hosts[m]:
+                net[p] += 1
+    # over the network a member sends only to its interior children (at most D), and the
+    # root every stripe once
+    assert max(net.values()) <= d and sum(net.values()) < n // d * d
+    assert all(max(_depth(lay, m, s) for m in range(n)) <= max(_depth(plain, m, s) for m in range(n))
+               for s in range(d))
+    # hosts unknown, or one member per host: the same layout as without hosts
+    assert layout(n, d, [None] * n) == plain
+    assert layout(n, d, [f"h{m}" for m in range(n)]) == plain
+    # a host with no interior member of a stripe: its leaves go over the network as before
+    odd = [f"h{m // 3}" for m in range(30)]  # 3 members to a host: some hosts lack a stripe
+    lay3 = layout(30, d, odd)
+    for m, row in enumerate(lay3):
+        for s, p in enumerate(row):
+            if m % d != s and not any(q % d == s and odd[q] == odd[m] for q in range(30)):
+                assert p >= 0 and p % d == s and odd[p] != odd[m]
+
+
+def test_plan_passes_hosts_to_its_layout_and_counts_network_children():
+    p = Plan("root", STRIPES, opened=0.0)
+    for k in range(32):
+        p.join(f"w{k}", f"r{k}", 0.0, host=f"h{k // 8}")
+    row, again = p.parents("w1", 1.0)  # fixed now
+    assert again == 0.0
+    assert [int(x[1:]) // 8 if x != "root" else None for s, x in enumerate(row) if s != 1] == [0, 0, 0]
+    # a late joiner on a new host goes under the member with the fewest network children
+    p.join("late", "rl", 1.0, host="h9")
+    late, _ = p.parents("late", 1.0)
+    assert all(int(x[1:]) % STRIPES == s for s, x in enumerate(late))
+
+
 def test_plan_forms_then_fixes_and_answers_the_layout():
     p = Plan("root", STRIPES, opened=10.0)
     for k in range(9):
