@@ -18,7 +18,10 @@ The plan (SplitStream-like), one per (model, version, layout, shard, datacenter,
   and a *leaf* in the others (with fewer than D members, member ``s % members`` is
   interior in stripe s too);
 * in stripe s the interior members form a D-ary tree in arrival order (the first one
-  reads the stripe from the root, the j-th from interior ``(j - 1) // D``); every leaf of
+  reads the stripe from the root, the j-th from interior ``(j - 1) // D``) -- when the
+  members' hosts are known, a tree of hosts (``_interior``): one interior member per host
+  reads the stripe over the network, its host-mates read it from that one, and a host's
+  D child hosts are served by all its interior members of the stripe; every leaf of
   stripe s then hangs under an interior member of s *on its own host* if there is one
   (the one with the fewest such children; read over NVLink / memory, off the network), else
   under the interior member of s with the fewest children over the network (ties: the
@@ -30,9 +33,10 @@ The plan (SplitStream-like), one per (model, version, layout, shard, datacenter,
   stripe were spread over other nodes' interior members, so every interior NIC uplink
   carried exactly its stripe's rate to 4 children: no slack, and any late chunk made the
   lag grow hop by hop (``benchmarks/simulate.py`` at 128-1,024 GPUs: a tail of 0.07-0.12 s
-  after the publisher's last chunk). Reading a stripe from a host-mate leaves most
-  interior uplinks with one or two network children, and a leaf's last hop takes a
-  fraction of a millisecond;
+  after the publisher's last chunk). Reading a stripe from a host-mate leaves every
+  interior uplink with at most D / 2 network children (8 GPUs to a node: 2 interior
+  members per host and stripe), room to catch up, and a host-mate's hop takes a fraction
+  of a millisecond;
 * the *root* is the datacenter's one complete replica (the publisher), or, when the
   datacenter has none, its seeder's partial replica (the one reader that crosses the
   slow link, ``_planner.choose_sources``).
@@ -99,14 +103,13 @@ def layout(members: int, stripes: int, hosts: Optional[Sequence[Optional[str]]] 
     for s in range(d):
         # (fewer members than stripes: member s % members carries stripe s too)
         inner = list(range(s, members, d)) or ([s % members] if members else [])
-        kids = {m: 0 for m in inner}
-        for j, m in enumerate(inner):
-            if j:
-                p = inner[(j - 1) // d]
-                out[m][s] = p
-                kids[p] += 1
         if not inner:
             continue
+        kids = {m: 0 for m in inner}  # children over the network
+        for m, p in _interior(inner, hosts, d).items():
+            out[m][s] = p
+            if p >= 0 and not (hosts is not None and _same_host(hosts, p, m)):
+                kids[p] += 1
         local: dict[str, list[int]] = {}
         if hosts is not None:
             for m in inner:
@@ -125,6 +128,38 @@ def layout(members: int, stripes: int, hosts: Optional[Sequence[Optional[str]]] 
                 kids[p] += 1
             out[m][s] = p
     return out
+
+
+def _interior(inner: list[int], hosts: Optional[Sequence[Optional[str]]], d: int) -> dict[int, int]:
+    """One stripe's tree over its interior members (arrival order): the parent of each (-1:
+    the root). Grouped by host (a member of unknown host is a group of its own), the
+    groups form a D-ary tree in order of their first member (the k-th group under group
+    ``(k - 1) // D``); a group's first member reads the stripe over the network from the
+    member of its parent group with the fewest network children so far (ties: the earlier)
+    that arrived before it, the group's other members read it from that first one on
+    their host. So a host's D child hosts are served by all its interior members of the
+    stripe (with 2 of them, 2 network children each: half their uplink), and every parent
+    arrived before its child (a replacement that arrived earlier is never a descendant).
+    With one member per host (or hosts unknown): member j under member ``(j - 1) // D``."""
+    groups: dict[object, list[int]] = {}
+    for m in inner:
+        h = hosts[m] if hosts is not None and hosts[m] is not None else ("", m)
+        groups.setdefault(h, []).append(m)
+    order = list(groups.values())
+    par: dict[int, int] = {}
+    sends = {m: 0 for m in inner}
+    for k, g in enumerate(order):
+        head = g[0]
+        if k == 0:
+            par[head] = -1
+        else:
+            up = [x for x in order[(k - 1) // d] if x < head]
+            p = min(up, key=lambda x: (sends[x], x))
+            par[head] = p
+            sends[p] += 1
+        for m in g[1:]:
+            par[m] = head
+    return par
 
 
 @dataclass
