@@ -27,7 +27,9 @@ is modelled:
     10 ms (2 ms for a plan's parents); one refresh of the lease (under a plan: when its
     layout is fixed; else at the first loop turn 100 ms after the start; more only with no
     source or after a 0.5 s stall); the reader loop's sleeps (0.25 ms doubling to 2 ms
-    with reads in flight or under a plan, to 25 ms without); one release+register at the end.
+    with reads in flight or under a plan, to 25 ms without; under a plan a map answer is
+    used in the turn it arrives, and the loop wakes 0.25 ms after a map read); one
+    release+register at the end.
     Calls per reader (resolve, manifest, lease, refreshes, release) are printed;
   - ``reports`` (the loop before chunk maps, for comparison): readers report completed
     chunks every ``--report-ms`` and refresh their sources when idle every
@@ -371,7 +373,9 @@ class MapSim(Sim):
       slot, at most every ``STATUS_INTERVAL``, one ``rtt`` each), then the refresh rule, then
       poll; sleep 0.25 ms doubling to 2 ms with reads in flight, to 25 ms without; a
       completed chunk resets the sleep and is marked READY in the reader's own map at once
-      (what it receives is marked COMING);
+      (what it receives is marked COMING); under a plan, maps whose read ended are taken in
+      before the submit step too (``PipelinedReader._fill``) and the loop sleeps at most
+      0.25 ms while a map read is in flight (``PipelinedReader._nap``);
     * the coordinator is asked again once, at the first loop turn ``FIRST_REFRESH`` after
       the start (if chunks are still to submit), beyond that only with no source or after a
       stall (nothing in flight, nothing landed for ``CLAIM_PATIENCE``); a refresh adds to
@@ -514,7 +518,8 @@ class MapSim(Sim):
                 busy[s] += 1
                 progressed = True
 
-    def _maps_step(self, r: MapReader, now: float, busy: dict) -> None:
+    def _intake(self, r: MapReader) -> None:
+        """Take in the chunk maps whose reads completed (``PipelinedReader._take_maps``)."""
         for s, (ready, coming) in list(r.map_result.items()):
             del r.map_result[s]
             old = r.avail.get(s, frozenset())
@@ -522,6 +527,9 @@ class MapSim(Sim):
             if got != (old, r.mcoming.get(s, frozenset())):
                 r.dirty = True
             r.avail[s], r.mcoming[s] = got
+
+    def _maps_step(self, r: MapReader, now: float, busy: dict) -> None:
+        self._intake(r)
         if not r.need:
             return
         for c, _ in r.sources:
@@ -566,6 +574,8 @@ class MapSim(Sim):
             for s in r.inflight.values():
                 if s in busy:
                     busy[s] += 1
+            if r.plan is not None:
+                self._intake(r)
             self._submit_step(r, now, busy)
             self._maps_step(r, now, busy)
             self._refresh_step(r, now, busy)
@@ -591,6 +601,8 @@ class MapSim(Sim):
                 break
             r.sleep = POLL / 8
         r.wake = now + r.sleep
+        if r.plan is not None and r.map_pending:
+            r.wake = min(r.wake, now + max(self.tick, POLL / 8))
         r.sleep = min(r.sleep * 2, POLL if r.inflight or r.plan is not None else IDLE_CAP)
         if r.plan_refresh:
             r.wake = min(r.wake, max(now + self.tick, r.plan_refresh))

@@ -168,7 +168,20 @@ class PipelinedReader(ShardReader):
         return getattr(src, "chunks", None)
 
     def _fill(self, need, sources, failed, get_sources) -> None:
-        pass  # (``_refresh`` asks for sources, after the submit step)
+        # (``_refresh`` asks for sources, after the submit step.) Under a plan, chunk maps
+        # read since the last turn are taken in before the submit step, so a parent's new
+        # chunk is asked for in the turn its map shows it, not one sleep later: a chunk
+        # crosses a plan's tree hop by hop and every hop pays that wait (issue 13).
+        if self.plan is not None:
+            self._take_maps()
+
+    def _nap(self, sleep: float) -> float:
+        """Under a plan, while a parent's chunk map is being read (one small one-sided read:
+        tens of microseconds over RDMA), wake after ``poll_interval / 8`` to use its answer,
+        not after the loop's sleep (up to ``poll_interval``)."""
+        if self.plan is not None and self._map_pending:
+            return min(sleep, self.poll_interval / 8)
+        return sleep
 
     def _preference(self, src: Source, busy: int) -> tuple:
         """Nearest sources first, partial before complete, then the least busy."""
@@ -256,6 +269,24 @@ class PipelinedReader(ShardReader):
 
     # ------------------------------------------------------------------ chunk maps
     def _maps(self, need, sources, busy, now: float) -> None:
+        self._take_maps()
+        if not need:
+            return
+        for src in sources:
+            if getattr(src, "status_addr", None) is None or src.replica_id in self._map_pending:
+                continue
+            if busy.get(src.replica_id, 0) >= self.depth:
+                continue  # it has work: its map is read when it idles
+            rid = src.replica_id
+            have = self.avail.get(rid)
+            gap = self.status_interval if self.plan is None else self.plan_status_interval
+            if have is not None and now - self._map_last.get(rid, 0.0) < gap:
+                continue
+            self._read_map(src, now)
+
+    def _take_maps(self) -> None:
+        """Take in the chunk maps whose reads ended (a map that cannot be read fails its
+        source like data that cannot)."""
         for rid, h in list(self._map_pending.items()):
             try:
                 st = self.t.poll(h)
@@ -277,19 +308,6 @@ class PipelinedReader(ShardReader):
                     self.avail[rid] = frozenset()
                 else:  # a ready byte never goes back while the tag stands: what we saw stays true
                     self.avail[rid] = got | self.avail.get(rid, frozenset())
-        if not need:
-            return
-        for src in sources:
-            if getattr(src, "status_addr", None) is None or src.replica_id in self._map_pending:
-                continue
-            if busy.get(src.replica_id, 0) >= self.depth:
-                continue  # it has work: its map is read when it idles
-            rid = src.replica_id
-            have = self.avail.get(rid)
-            gap = self.status_interval if self.plan is None else self.plan_status_interval
-            if have is not None and now - self._map_last.get(rid, 0.0) < gap:
-                continue
-            self._read_map(src, now)
 
     def _read_map(self, src: PSource, now: float) -> None:
         rid = src.replica_id

@@ -288,7 +288,7 @@ class ShardReader:
             if done_any:
                 sleep = self.poll_interval / 8
             elif inflight or need:
-                time.sleep(sleep)
+                time.sleep(self._nap(sleep))
                 sleep = min(sleep * 2, self.poll_interval if inflight else self._idle_cap)
 
     def _deadline_error(self, need, inflight, sources) -> FetchError:
@@ -305,6 +305,10 @@ class ShardReader:
     @property
     def _idle_cap(self) -> float:
         return self.poll_interval
+
+    def _nap(self, sleep: float) -> float:
+        """How long this turn sleeps, given the loop's back-off ``sleep``."""
+        return sleep
 
     def _order(self, todo) -> deque:
         return deque(todo)

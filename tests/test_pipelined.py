@@ -312,6 +312,49 @@ def test_striped_plan_spills_only_stripes_whose_parent_holds_all_of_them():
     assert r._pick(c, need, sources, {}, 0.0) is None
 
 
+def test_striped_plan_uses_a_parent_map_in_the_turn_it_arrives():
+    """Under a plan a parent's chunk map, once its read ended, is taken in before the submit
+    step of the next turn (``_fill``), and the loop sleeps only ``poll_interval / 8`` while
+    such a read is in flight: a chunk crosses the tree hop by hop and each hop paid up to
+    two of the loop's sleeps (2 ms each) to learn of it. The map is read from the holder's
+    registered memory over the transport (the bytes it marked)."""
+    from collections import deque
+
+    from tensorhub._chunkmap import ChunkMap
+    from tensorhub._pipeline import PipelinedReader, PSource
+
+    holder = InMemoryTransport()
+    ep = holder.start()
+    m = ChunkMap(8)
+    holder.register(*m.region)
+    m.mark(1)
+    m.mark(5)
+    rt = InMemoryTransport()
+    rt.start()
+    try:
+        r = PipelinedReader(rt, [8 * 1024], [0], chunk_bytes=1024)
+        a = PSource("rA", "a", ep, (0,), "l", 1, None, frozenset(), m.addr, m.tag, 8)
+        assert r._nap(0.002) == 0.002  # (no plan, nothing read: the loop's own back-off)
+        r.follow_plan(["root", "rA", "root", "root"], 0.0)
+        r._read_map(a, 0.0)
+        assert r._map_pending and r._nap(0.002) == pytest.approx(r.poll_interval / 8)
+        deadline = time.monotonic() + 5
+        while rt._batches[r._map_pending["rA"]].state == 0 and time.monotonic() < deadline:  # (0: pending)
+            time.sleep(0.001)  # (the read ends on the transport's thread; its answer is not taken)
+        need = deque([5, 6])
+        r._fill(need, [a], [], lambda failed: [])
+        assert r.avail["rA"] == frozenset({1, 5}) and not r._map_pending
+        assert r._pick(a, need, [a], {}, 0.0) == 5  # usable in this turn's submit step
+        assert r._nap(0.002) == 0.002
+        r.follow_plan(None, 0.0)
+        r._read_map(a, 0.0)
+        assert r._nap(0.002) == 0.002  # no plan: as before
+        r._close_maps()
+    finally:
+        rt.close()
+        holder.close()
+
+
 # ---------------------------------------------------------------- real processes, real Mooncake
 @pytest.mark.multiprocess
 def test_real_mooncake_fan_out_and_cross_datacenter(coordinator):
