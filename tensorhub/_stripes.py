@@ -200,7 +200,7 @@ class Plan:
             self.order[worker] = len(self.members)
             self.member_of[replica_id] = len(self.members)
             self.members.append(worker)
-            self.hosts.append(host)
+            self.hosts.append(host if host else None)  # ("": a worker without a host label: unknown)
             self.replicas[worker] = replica_id
             self._provisional(len(self.members) - 1)
         else:

@@ -120,6 +120,12 @@ def test_plan_passes_hosts_to_its_layout_and_counts_network_children():
     row, again = p.parents("w1", 1.0)  # fixed now
     assert again == 0.0
     assert [int(x[1:]) // 8 if x != "root" else None for s, x in enumerate(row) if s != 1] == [0, 0, 0]
+    # no host label (""): unknown, not one shared host -- the layout without hosts
+    q = Plan("root", STRIPES, opened=0.0)
+    for k in range(32):
+        q.join(f"w{k}", f"r{k}", 0.0, host="")
+    q.parents("w0", 1.0)
+    assert q.fixed == layout(32, STRIPES)
     # a late joiner on a new host goes under the member with the fewest network children
     p.join("late", "rl", 1.0, host="h9")
     late, _ = p.parents("late", 1.0)
