@@ -412,3 +412,44 @@ def test_a_borrow_dropped_without_release_gives_its_lease_back(coordinator, work
     reader = workers(url, "reader", own_transport=True)
     assert reader.call("borrow", version=v1, drop=True) == "dropped"
     assert pub.call("unpublish", version=v1, drain_timeout=20) < 5.0
+
+
+def test_head_start_borrows_while_the_engine_builds_its_model(coordinator, workers):
+    """The loaders' head start (``integrations._core.head_start``): on a thread, connect,
+    resolve and borrow the version from a same-host holder, so ``load_weights`` begins with
+    the checked bytes in hand; what it could not do (an unknown model) is left to the load
+    (nothing held); one the load never takes gives its lease back."""
+    from types import SimpleNamespace
+
+    import tensorhub
+    from integrations._core.head_start import HeadStart
+    from integrations._core.ranks import EngineRanks
+    from integrations._core.settings import Settings
+
+    url = coordinator.url
+    pub = workers(url, "pub", own_transport=True)
+    v = pub.call("publish", seed=21, nbytes=16 * MiB, empty_like=True)
+    v2 = pub.call("publish", seed=22, nbytes=8 * MiB, empty_like=True)  # (the newest is never unpublished)
+    hub = tensorhub.connect(url, worker_id="engine-h")
+    try:
+        def connect(s):
+            return SimpleNamespace(settings=s, hub=hub, engine=EngineRanks)
+
+        h = HeadStart(Settings.from_config({"model": MODEL, "coordinator": url, "version": v}), connect)
+        st, resolved, b = h.take()
+        assert st.hub is hub and resolved == (v,) and b is not None and b.version == v
+        with b:
+            assert digest(b) == expected(21, 16 * MiB) and b.worker_id == "pub"
+            pub.send("unpublish", version=v, drain_timeout=60)  # waits for the borrowed lease
+            time.sleep(2.0)
+        assert pub.result() >= 1.0  # released at the end of the block: the unpublish returned then
+
+        pub.call("publish", seed=23, nbytes=MiB, empty_like=True)
+        h = HeadStart(Settings.from_config({"model": "nobody-publishes-this", "coordinator": url}), connect)
+        st2, resolved, b = h.take()
+        assert st2 is not None and resolved is None and b is None  # the load resolves again, and says why
+        h = HeadStart(Settings.from_config({"model": MODEL, "coordinator": url, "version": v2}), connect)
+        h.discard()  # the engine failed before load_weights: the borrowed lease goes back
+        assert pub.call("unpublish", version=v2, drain_timeout=10) < 2.0
+    finally:
+        hub.close()

@@ -26,7 +26,7 @@ from .._core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HOOKS", "WorkerState", "off_engine_cores", "connect", "engine", "layer_groups"]
+__all__ = ["HOOKS", "WorkerState", "off_engine_cores", "place_head_start", "connect", "engine", "layer_groups"]
 
 
 def engine() -> EngineRanks:
@@ -172,7 +172,13 @@ class WorkerState(worker.WorkerState):
                          daemon=True).start()
 
 
-def off_engine_cores() -> None:
+def place_head_start() -> None:
+    """Where a start's head start (``_core.head_start``) runs: off the engine's pinned
+    cores, at normal priority (the start waits for it)."""
+    off_engine_cores(nice=0)
+
+
+def off_engine_cores(nice: int = 10) -> None:
     """Make the calling thread (Linux: per thread) give way to the engine: off the cores
     the engine's threads are pinned to (vLLM's CPU worker pins its OpenMP threads, and
     every thread they start, to its cores; the others are left to its front-end processes),
@@ -187,7 +193,8 @@ def off_engine_cores() -> None:
     except (AttributeError, OSError, ValueError):
         pass
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):
         pass
 
