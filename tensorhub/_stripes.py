@@ -289,8 +289,8 @@ class Plan:
                 if new == NONE:
                     continue  # (nobody left to read that stripe from: the reader's fallback)
                 old = self.fixed[a][s]
-                if old >= 0:
-                    self.kids[(old, s)] = self.kids.get((old, s), 1) - 1
+                if old >= 0 and not _same_host(self.hosts, old, a):  # (network children only)
+                    self.kids[(old, s)] = max(0, self.kids.get((old, s), 1) - 1)
                 self.fixed[a][s] = -1 if new == self.root else self.member_of[new]
         return row, 0.0
 

@@ -198,6 +198,22 @@ def test_failed_parent_is_replaced_never_by_a_descendant():
     assert row[s] == NONE
 
 
+def test_failed_parent_with_hosts_is_replaced_by_an_earlier_member():
+    n = 64
+    p = Plan("root", STRIPES, opened=0.0)
+    for k in range(n):
+        p.join(f"w{k}", f"r{k}", 0.0, host=f"h{k // 8}")
+    p.parents("w0", 1.0)
+    for m in (41, 42, 47):
+        s = m % STRIPES
+        parent = p.fixed[m][s]
+        assert 0 <= parent < m
+        row, _ = p.parents(f"w{m}", 1.0, lambda rid, dead=f"r{parent}": rid == dead)
+        new = -1 if row[s] == "root" else int(row[s][1:])
+        assert new != parent and new < m and (new == -1 or new % STRIPES == s)
+    assert all(v >= 0 for v in p.kids.values())
+
+
 def test_stripe_of():
     assert [stripe_of(c, 4) for c in range(6)] == [0, 1, 2, 3, 0, 1]
 
