@@ -55,8 +55,13 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=16, help="nodes of 8 GPUs")
     ap.add_argument("--gib", type=float, default=16.0)
     ap.add_argument("--no-spill", action="store_true", help="members never read other stripes (SPILL off)")
+    ap.add_argument("--no-hosts", action="store_true",
+                    help="plans without host labels (the layout for one reader per host)")
     args = ap.parse_args()
     S.SPILL = not args.no_spill
+    if args.no_hosts:
+        join = S.Plan.join
+        S.Plan.join = lambda self, w, rid, now, host=None: join(self, w, rid, now)
     cl = S.Cluster(nodes=args.nodes)
     nbytes = args.gib * S.GiB
     chunks = -(-int(nbytes) // S.grid_chunk_bytes(int(nbytes)))
