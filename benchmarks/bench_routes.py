@@ -55,10 +55,12 @@ async def _measure(pid: int, n: int, make: Callable[[int], tuple[str, str, Optio
     sem = asyncio.Semaphore(inflight)
     statuses: dict[int, int] = {}
     answers: list = [None] * n
+    sent = [0]
 
     async def one(i: int) -> None:
         async with sem:
             method, path, body = make(i)
+            sent[0] += len(body or b"")
             st, data = await pool.request(method, path, body)
             statuses[st] = statuses.get(st, 0) + 1
             answers[i] = data
@@ -67,8 +69,8 @@ async def _measure(pid: int, n: int, make: Callable[[int], tuple[str, str, Optio
     await asyncio.gather(*(one(i) for i in range(n)))
     cpu, wall = _cpu(pid) - c0, time.perf_counter() - t0
     size = sum(len(a or b"") for a in answers) / n
-    return {"n": n, "cpu_ms": cpu / n * 1e3, "wall_ms": wall / n * 1e3, "bytes": round(size), "statuses": statuses,
-            "answers": answers}
+    return {"n": n, "cpu_ms": cpu / n * 1e3, "wall_ms": wall / n * 1e3, "bytes": round(size),
+            "request_bytes": round(sent[0] / n), "statuses": statuses, "answers": answers}
 
 
 async def _drive(url: str, pid: int, readers: int, tensors: int, chunks: int, beats: int,
@@ -149,7 +151,8 @@ async def _drive(url: str, pid: int, readers: int, tensors: int, chunks: int, be
     for _, r in out:
         r.pop("answers", None)
     out.append(("(the manifest's JSON, as sent by the trainer)", {"n": 0, "cpu_ms": 0.0, "wall_ms": 0.0,
-                                                                "bytes": len(man_json), "statuses": {}}))
+                                                                "bytes": len(man_json), "request_bytes": 0,
+                                                                "statuses": {}}))
     return out
 
 
@@ -186,11 +189,11 @@ def report_both(plain: dict, runs: dict) -> str:
     lines = [f"plain address lists vs address runs ({plain['readers']} readers, {plain['tensors']:,} tensors, "
              f"{plain['chunks']} chunks; each on its own coordinator, plain first)",
              f"{'request':<44} {'plain CPU ms':>12} {'runs CPU ms':>12} {'x plain':>8} "
-             f"{'plain answer B':>15} {'runs answer B':>14}"]
+             f"{'plain sent B':>13} {'runs sent B':>12} {'plain answer B':>15} {'runs answer B':>14}"]
     for a, b in zip(plain["routes"], runs["routes"]):
         x = f"{b['cpu_ms'] / a['cpu_ms']:.2f}" if a["cpu_ms"] > 0 else "-"
-        lines.append(f"{a['route']:<44} {a['cpu_ms']:>12.3f} {b['cpu_ms']:>12.3f} {x:>8} {a['bytes']:>15,} "
-                     f"{b['bytes']:>14,}")
+        lines.append(f"{a['route']:<44} {a['cpu_ms']:>12.3f} {b['cpu_ms']:>12.3f} {x:>8} "
+                     f"{a['request_bytes']:>13,} {b['request_bytes']:>12,} {a['bytes']:>15,} {b['bytes']:>14,}")
     p, r = per_reader_version(plain), per_reader_version(runs)
     lines.append(f"{'CPU ms per reader-version':<44} {p:>12.2f} {r:>12.2f} {r / p if p else 0:>8.2f}")
     return "\n".join(lines)

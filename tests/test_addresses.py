@@ -253,3 +253,27 @@ def test_old_and_new_clients_read_each_other_through_runs(tmp_path, monkeypatch)
         finally:
             for w in made:
                 w.close()
+
+
+def test_bench_routes_runs_mode_answers_every_route_with_small_bodies():
+    """``benchmarks/bench_routes.py --addresses runs``, shortened: every route answers 200
+    for every reader, and the serving lease's request and answer, the refresh's answer and
+    the release + complete request stop carrying one address per tensor."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_routes.py"
+    spec = importlib.util.spec_from_file_location("bench_routes", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_routes"] = mod
+    spec.loader.exec_module(mod)
+    outs = [mod.run_routes(readers=6, tensors=3000, chunks=256, beats=20, runs=runs) for runs in (False, True)]
+    print(mod.report_both(*outs))
+    plain, runs = ({r["route"]: r for r in o["routes"]} for o in outs)
+    for name, r in runs.items():
+        assert r["statuses"] == ({200: r["n"]} if r["n"] else {}), (name, r)
+    lease = "lease, serving (readers 4-6 of 6)"
+    for name, field in ((lease, "bytes"), (lease, "request_bytes"), ("lease refresh", "bytes"),
+                        ("complete + release", "request_bytes")):
+        assert runs[name][field] < 2000 < 10_000 < plain[name][field], (name, field, runs[name], plain[name])
