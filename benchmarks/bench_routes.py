@@ -15,8 +15,17 @@ asks; the first one encodes it), each reader's serving lease (it registers the r
 partial replica: the k-th lease sees k-1 of them), one refresh each, and each reader's
 complete + release.
 
+Addresses (``--addresses``): every replica's memory is laid out as the Hub lays it out
+(``hub.empty_like`` snapshots, fetched copies), and clients send it either as plain lists,
+one address per tensor, as clients before ``AddressRuns`` did (``plain``), or as runs and
+ask for runs in lease answers (``runs``). ``both`` (the default) runs the whole sequence
+twice, each on a fresh coordinator, plain first, and prints the two side by side with the
+coordinator's CPU per reader-version (resolve, manifest GET, serving lease, refresh,
+complete + release).
+
     python benchmarks/bench_routes.py                       # 1,024 readers, 50,000 tensors
     python benchmarks/bench_routes.py --readers 256 --tensors 5000
+    python benchmarks/bench_routes.py --readers 256 --addresses runs
 
 Compare two trees by running it from each (the coordinator is ``python -m tensorhub`` in
 the current directory), e.g. ``cd OTHER && python /path/to/bench_routes.py``.
@@ -35,7 +44,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_fleet import _fetch_report, _replica_body, moe_manifest  # noqa: E402
+from bench_fleet import _fetch_report, moe_manifest  # noqa: E402
 from bench_load import CoordinatorProc, _cpu, _Pool, _run_loop  # noqa: E402
 
 
@@ -46,10 +55,12 @@ async def _measure(pid: int, n: int, make: Callable[[int], tuple[str, str, Optio
     sem = asyncio.Semaphore(inflight)
     statuses: dict[int, int] = {}
     answers: list = [None] * n
+    sent = [0]
 
     async def one(i: int) -> None:
         async with sem:
             method, path, body = make(i)
+            sent[0] += len(body or b"")
             st, data = await pool.request(method, path, body)
             statuses[st] = statuses.get(st, 0) + 1
             answers[i] = data
@@ -58,11 +69,13 @@ async def _measure(pid: int, n: int, make: Callable[[int], tuple[str, str, Optio
     await asyncio.gather(*(one(i) for i in range(n)))
     cpu, wall = _cpu(pid) - c0, time.perf_counter() - t0
     size = sum(len(a or b"") for a in answers) / n
-    return {"n": n, "cpu_ms": cpu / n * 1e3, "wall_ms": wall / n * 1e3, "bytes": round(size), "statuses": statuses,
-            "answers": answers}
+    return {"n": n, "cpu_ms": cpu / n * 1e3, "wall_ms": wall / n * 1e3, "bytes": round(size),
+            "request_bytes": round(sent[0] / n), "statuses": statuses, "answers": answers}
 
 
-async def _drive(url: str, pid: int, readers: int, tensors: int, chunks: int, beats: int) -> list[tuple[str, dict]]:
+async def _drive(url: str, pid: int, readers: int, tensors: int, chunks: int, beats: int,
+                 runs: bool = False) -> list[tuple[str, dict]]:
+    from tensorhub._addresses import encode
     from tensorhub._grid import grid_chunk_bytes
     from tensorhub._wire import Manifest, manifest_digest
 
@@ -78,13 +91,26 @@ async def _drive(url: str, pid: int, readers: int, tensors: int, chunks: int, be
     out.append(("register worker", r))
     man = moe_manifest(tensors, chunks)
     man_json = json.dumps(man).encode()
-    addrs = [(1 << 40) + k * (1 << 28) for k in range(tensors)]
-    digest = manifest_digest(Manifest.model_validate(man))
+    manifest = Manifest.model_validate(man)
+    offsets, off = [], 0
+    for t in man["tensors"]:  # the Hub's layout (``_tensors.allocate_like``): in order, 64-byte aligned
+        offsets.append(off)
+        off += -(-t["nbytes"] // 64) * 64
+
+    def where(base: int) -> dict:
+        """A replica at ``base`` as the client sends it: runs (encoded as a client does) or the list."""
+        addrs = [base + o for o in offsets]
+        if runs:
+            return {"address_runs": encode(addrs, manifest).model_dump(mode="json")}
+        return {"addresses": addrs}
+
+    digest = manifest_digest(manifest)
     chunk_bytes = grid_chunk_bytes(sum(t["nbytes"] for t in man["tensors"]))
     st, data = await pool.request("POST", "/v1/models/policy/versions", b"{}")
     v = json.loads(data)["version"]
-    r = await _measure(pid, 1, lambda i: ("POST", "/v1/replicas", _replica_body(trainer, "policy", v, man_json,
-                                                                                json.dumps(addrs).encode())), pool)
+    trainer_body = json.dumps({"worker_id": trainer, "model": "policy", "version": v, "layout": "hf", "shard": 0,
+                               "num_shards": 1, "manifest": man, **where(1 << 40)}).encode()
+    r = await _measure(pid, 1, lambda i: ("POST", "/v1/replicas", trainer_body), pool)
     out.append((f"publish: register the {tensors:,}-tensor replica", r))
     hb = lambda i: ("POST", f"/v1/workers/{ids[i % len(ids)]}/heartbeat", None)  # noqa: E731
     out.append(("heartbeat", await _measure(pid, beats, hb, pool)))
@@ -101,9 +127,11 @@ async def _drive(url: str, pid: int, readers: int, tensors: int, chunks: int, be
         base = (1 << 44) + (i << 32)
         body = {"worker_id": rids[i], "model": "policy", "version": v, "layout": "hf", "shard": 0, "max_sources": 4,
                 "exclude": [], "pipelined": True, "lease_id": lease_id, "manifest": False}
+        if runs:
+            body["address_runs"] = True
         if lease_id is None:
             body["request_id"] = f"req-{i}"
-            body["serve"] = {"manifest_digest": digest, "addresses": [base + k for k in range(tensors)],
+            body["serve"] = {"manifest_digest": digest, **where(base),
                              "chunk_bytes": chunk_bytes, "num_chunks": chunks, "status_addr": base - 4096,
                              "status_tag": i + 1}
         return body
@@ -117,32 +145,63 @@ async def _drive(url: str, pid: int, readers: int, tensors: int, chunks: int, be
         "POST", "/v1/leases", enc(lease(i, grants[i].get("lease_id")))), pool)))
     out.append(("complete + release", await _measure(pid, readers, lambda i: ("POST", "/v1/replicas", enc({
         "worker_id": rids[i], "model": "policy", "version": v, "layout": "hf", "shard": 0, "num_shards": 1,
-        "manifest_digest": digest, "addresses": [(1 << 44) + (i << 32) + k for k in range(tensors)],
+        "manifest_digest": digest, **where((1 << 44) + (i << 32)),
         "release": [grants[i].get("lease_id", "none")]})), pool)))
     await pool.close()
     for _, r in out:
         r.pop("answers", None)
     out.append(("(the manifest's JSON, as sent by the trainer)", {"n": 0, "cpu_ms": 0.0, "wall_ms": 0.0,
-                                                                "bytes": len(man_json), "statuses": {}}))
+                                                                "bytes": len(man_json), "request_bytes": 0,
+                                                                "statuses": {}}))
     return out
 
 
-def run_routes(*, readers: int = 1024, tensors: int = 50_000, chunks: int = 256, beats: int = 4000) -> dict:
+def run_routes(*, readers: int = 1024, tensors: int = 50_000, chunks: int = 256, beats: int = 4000,
+               runs: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="th-routes-") as tmp:
         coord = CoordinatorProc(Path(tmp) / "state", worker_ttl=600.0, extra=("--lease-ttl", "600"))
         try:
-            rows = _run_loop(_drive(coord.url, coord.proc.pid, readers, tensors, chunks, beats))
+            rows = _run_loop(_drive(coord.url, coord.proc.pid, readers, tensors, chunks, beats, runs))
             alive = coord.alive
         finally:
             coord.stop()
     return {"readers": readers, "tensors": tensors, "chunks": chunks, "alive": alive,
+            "addresses": "runs" if runs else "plain",
             "routes": [{"route": k, **{f: (round(x, 3) if isinstance(x, float) else x) for f, x in r.items()}}
                        for k, r in rows]}
 
 
+#: The routes one reader calls per version (the serving lease: the mean of its two halves).
+PER_READER = ("resolve", "GET manifest: the others", "lease, serving", "lease refresh", "complete + release")
+
+
+def per_reader_version(out: dict) -> float:
+    """The coordinator's CPU-ms per reader-version: the sum of :data:`PER_READER`."""
+    total = 0.0
+    for name in PER_READER:
+        ms = [r["cpu_ms"] for r in out["routes"] if r["route"].startswith(name)]
+        total += sum(ms) / len(ms)
+    return total
+
+
+def report_both(plain: dict, runs: dict) -> str:
+    """The two runs side by side: CPU ms and answer bytes per route, and per reader-version."""
+    lines = [f"plain address lists vs address runs ({plain['readers']} readers, {plain['tensors']:,} tensors, "
+             f"{plain['chunks']} chunks; each on its own coordinator, plain first)",
+             f"{'request':<44} {'plain CPU ms':>12} {'runs CPU ms':>12} {'x plain':>8} "
+             f"{'plain sent B':>13} {'runs sent B':>12} {'plain answer B':>15} {'runs answer B':>14}"]
+    for a, b in zip(plain["routes"], runs["routes"]):
+        x = f"{b['cpu_ms'] / a['cpu_ms']:.2f}" if a["cpu_ms"] > 0 else "-"
+        lines.append(f"{a['route']:<44} {a['cpu_ms']:>12.3f} {b['cpu_ms']:>12.3f} {x:>8} "
+                     f"{a['request_bytes']:>13,} {b['request_bytes']:>12,} {a['bytes']:>15,} {b['bytes']:>14,}")
+    p, r = per_reader_version(plain), per_reader_version(runs)
+    lines.append(f"{'CPU ms per reader-version':<44} {p:>12.2f} {r:>12.2f} {r / p if p else 0:>8.2f}")
+    return "\n".join(lines)
+
+
 def report_routes(out: dict) -> str:
     lines = [f"coordinator CPU per request, route by route ({out['readers']} readers, "
-             f"{out['tensors']:,}-tensor manifest, {out['chunks']} chunks)",
+             f"{out['tensors']:,}-tensor manifest, {out['chunks']} chunks, addresses: {out.get('addresses', 'plain')})",
              f"{'request':<44} {'n':>6} {'CPU ms/req':>11} {'req/s per core':>15} {'wall ms/req':>12} "
              f"{'answer B':>10}  statuses"]
     for r in out["routes"]:
@@ -158,14 +217,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--tensors", type=int, default=50_000)
     p.add_argument("--chunks", type=int, default=256)
     p.add_argument("--beats", type=int, default=4000, help="heartbeats measured (half as many with a report)")
+    p.add_argument("--addresses", choices=("plain", "runs", "both"), default="both",
+                   help="clients send replicas' addresses as plain lists, as runs, or both in turn (default)")
     p.add_argument("--json", help="also write the figures here")
     a = p.parse_args(argv)
-    out = run_routes(readers=a.readers, tensors=a.tensors, chunks=a.chunks, beats=a.beats)
-    print(report_routes(out))
+    modes = {"plain": [False], "runs": [True], "both": [False, True]}[a.addresses]
+    outs = []
+    for runs in modes:
+        out = run_routes(readers=a.readers, tensors=a.tensors, chunks=a.chunks, beats=a.beats, runs=runs)
+        print(report_routes(out))
+        print(f"CPU ms per reader-version ({out['addresses']}): {per_reader_version(out):.2f}\n")
+        outs.append(out)
+    if len(outs) == 2:
+        print(report_both(*outs))
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=2))
-    bad = sum(n for r in out["routes"] for st, n in r["statuses"].items() if st != 200)
-    return 0 if out["alive"] and not bad else 1
+        Path(a.json).write_text(json.dumps(outs[0] if len(outs) == 1 else outs, indent=2))
+    bad = sum(n for o in outs for r in o["routes"] for st, n in r["statuses"].items() if st != 200)
+    return 0 if all(o["alive"] for o in outs) and not bad else 1
 
 
 if __name__ == "__main__":

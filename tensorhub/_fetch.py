@@ -120,7 +120,7 @@ def acquire_lease(session: Session, model: str, version: int, layout: str, shard
                 "request_id": secrets.token_hex(12),  # a retried request gets the same lease
                 "manifest": False,  # read once by version (Session.manifest), not with every lease
             }
-            grant = session.as_worker(lambda api: api.acquire_lease(body))
+            grant = session.lease(body)
             if grant.version != version:
                 raise FetchError(f"asked for {model!r} v{version} but the lease is for v{grant.version}")
             if clock is not None:
@@ -269,7 +269,7 @@ class PipelinedSources(PlainSources):
                     body["serve"] = offer
             sent = time.monotonic()
             try:
-                g = f.session.as_worker(lambda api: api.acquire_lease(body))
+                g = f.session.lease(body)
             except ConflictError as e:
                 if e.code == "lease_lapsed" and self.cur is not None:
                     self.cur = None  # its chunks are re-read after release says so
@@ -307,7 +307,7 @@ class PipelinedSources(PlainSources):
         assert f.held is not None and m is not None
         f.held.chunkmap = m
         f.held.extra.append(m)
-        offer = {"manifest_digest": f.session.digest(f.manifest), "addresses": f.held.addresses,
+        offer = {"manifest_digest": f.session.digest(f.manifest), **f.session.addresses_of(f.held),
                  "chunk_bytes": self.grid, "num_chunks": len(r.chunks), "status_addr": m.addr, "status_tag": m.tag}
         self.offer = offer  # asked with the new lease (not with refreshes)
         try:

@@ -45,6 +45,8 @@ class Held:
     #: A replica that served while it was still receiving: its chunk map (``_chunkmap``),
     #: retired before the memory is released or reused.
     chunkmap: Any = None
+    #: (addresses, their ``AddressRuns`` or None): the compact form, encoded once (``Session``).
+    runs: Any = None
 
     def retire_map(self) -> None:
         if self.chunkmap is not None:

@@ -183,5 +183,6 @@ class LeaseAnswers:
             return grant.model_dump_json().encode()
         out = [parts[0]]
         for r, tail in zip(grant.replicas, parts[1:]):
-            out += [self._addresses(r.replica_id, r.addresses), tail]
+            # (a source answered as runs, ``_addresses``, has no list: nothing to splice)
+            out += [self._addresses(r.replica_id, r.addresses) if r.addresses else _STUB, tail]
         return b"".join(out)

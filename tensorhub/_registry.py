@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, NamedTuple, Optional
 
-from ._wire import Locality
+from ._wire import AddressRuns, Locality
 
 __all__ = ["ShardKey", "Worker", "Replica", "Lease", "Registry"]
 
@@ -49,7 +49,7 @@ class Replica:
     version: int
     layout: str
     shard: int
-    addresses: list[int]
+    addresses: "list[int] | AddressRuns"  # as registered (``_addresses.stored``)
     registered_at: float
     draining: bool = False
     suspect_until: float = 0.0

@@ -21,12 +21,12 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 from urllib.parse import urlparse
 
-from . import _samehost as samehost, envs
+from . import _addresses, _samehost as samehost, envs
 from ._client import CoordinatorClient
-from ._exceptions import HubClosedError, NotFoundError, TensorHubError
+from ._exceptions import FetchError, HubClosedError, NotFoundError, TensorHubError
 from ._holdings import Held, Holdings, unregister_regions
 from ._metrics import FetchProgress, Outbox, hub_metrics
-from ._wire import HeartbeatAnswer, Manifest, ReplicaRegistered, manifest_digest
+from ._wire import HeartbeatAnswer, LeaseGrant, Manifest, ReplicaRegistered, manifest_digest
 from .transport import Transport, create_transport
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,6 +75,9 @@ class Session:
         self._api: Optional[CoordinatorClient] = None
         self.epoch: Optional[str] = None
         self.lease_ttl = 30.0
+        #: Send and ask for addresses as runs (``_addresses``): the coordinator reads them
+        #: (it said so when this worker registered) and ``TENSORHUB_ADDRESS_RUNS`` allows it.
+        self.address_runs = False
         self.closed = False
         self._stop = threading.Event()
         self._hb: Optional[threading.Thread] = None
@@ -154,6 +157,7 @@ class Session:
                                      retry_timeout=retry_timeout)
         self.epoch = r.epoch
         self.lease_ttl = r.lease_ttl
+        self.address_runs = r.address_runs and envs.TENSORHUB_ADDRESS_RUNS
 
     def reregister(self) -> None:
         """Register the worker and every held replica again, under the holdings' lock, with
@@ -215,13 +219,36 @@ class Session:
     def replica_body(self, h: Held, digest: bool = False) -> dict:
         body = {
             "worker_id": self.worker_id, "model": h.model, "version": h.version, "layout": h.layout,
-            "shard": h.shard, "num_shards": h.num_shards, "addresses": h.addresses,
+            "shard": h.shard, "num_shards": h.num_shards, **self.addresses_of(h),
         }
         if digest:
             body["manifest_digest"] = self.digest(h.manifest)
         else:
             body["manifest"] = h.manifest.model_dump(mode="json")
         return body
+
+    def addresses_of(self, h: Held) -> dict:
+        """A held replica's addresses as the registration fields: ``address_runs`` when the
+        coordinator reads runs and they are much shorter, else ``addresses`` (encoded once
+        per held replica)."""
+        if not self.address_runs:
+            return {"addresses": h.addresses}
+        if h.runs is None or h.runs[0] is not h.addresses:
+            h.runs = (h.addresses, _addresses.encode(h.addresses, h.manifest))
+        runs = h.runs[1]
+        return {"addresses": h.addresses} if runs is None else {"address_runs": runs.model_dump(mode="json")}
+
+    def lease(self, body: dict) -> LeaseGrant:
+        """``POST /v1/leases`` (``body``: the ``AcquireLease`` fields) as this worker, asking
+        for sources' addresses as runs when the coordinator has them; the grant comes back
+        with every source's addresses expanded (against the shard's manifest, read once)."""
+        if self.address_runs:
+            body = dict(body, address_runs=True)
+        g = self.as_worker(lambda api: api.acquire_lease(body))
+        try:
+            return _addresses.expand_grant(g, lambda: self.manifest(g.model, g.version, g.layout, g.shard))
+        except ValueError as e:
+            raise FetchError(f"lease {g.lease_id}: a source's address runs do not fit the manifest: {e}") from None
 
     # ------------------------------------------------------------------ heartbeat, telemetry
     def _heartbeat_loop(self) -> None:

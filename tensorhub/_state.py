@@ -58,6 +58,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
+from . import _addresses
 from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
 from ._exceptions import (
     ConflictError, InvalidRequestError, ManifestMismatchError, NotFoundError, RetentionError,
@@ -357,20 +358,19 @@ class CoordinatorState:
             return rid, complete
         now = self._now(now)
         self._worker(req.worker_id)
-        if req.manifest is None:
-            req = self._by_digest(req)
+        req = self._by_digest(req) if req.manifest is None else _addresses.checked(req)
         self.catalog.add_manifest(req, self._check_partial if req.partial else None)
         complete = self.catalog.version(req.model, req.version).complete  # a delta layout alone: not
         key = ShardKey(req.model, req.version, req.layout, req.shard)
         for r in self.registry.replicas_of_shard(key):  # idempotent re-registration (same memory)
-            if r.worker_id == req.worker_id and not r.draining and r.addresses == list(req.addresses):
+            if r.worker_id == req.worker_id and not r.draining and r.addresses == _addresses.stored(req):
                 if not req.partial:
                     r.chunks, r.coming = None, set()  # a partial replica completed
                     r.status_addr = r.status_tag = None
                 return r.replica_id, complete
         rid = self._new_id("r")
         self.registry.add_replica(Replica(
-            rid, req.worker_id, req.model, req.version, req.layout, req.shard, list(req.addresses), now,
+            rid, req.worker_id, req.model, req.version, req.layout, req.shard, _addresses.stored(req), now,
             chunks=set() if req.partial else None, num_chunks=req.num_chunks if req.partial else 0,
             status_addr=req.status_addr if req.partial else None, status_tag=req.status_tag if req.partial else None,
         ))
@@ -409,9 +409,7 @@ class CoordinatorState:
             raise ManifestMismatchError(
                 f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}: manifest digest "
                 f"{req.manifest_digest} != registered {digest}", "manifest_mismatch")
-        if len(req.addresses) != len(known.tensors):
-            raise InvalidRequestError(f"{len(req.addresses)} addresses for {len(known.tensors)} tensors",
-                                      "bad_request")
+        _addresses.check(req.addresses, req.address_runs, known, _addresses.invalid)
         return req.model_copy(update={"manifest": known})
 
     def _check_partial(self, req: RegisterReplica, known: Optional[Manifest]) -> None:
@@ -657,12 +655,12 @@ class CoordinatorState:
             num_shards=li.num_shards,
             # Only clients that read manifests by version say so; older ones get it every time.
             manifest=li.manifests[req.shard] if req.manifest else None,
-            # Built from the registry's records, validated when they were registered: not
-            # validated again (a 50,000-tensor replica's addresses are ~6 ms each).
+            # The registry's records, validated when registered: not again (~6 ms per 50,000 addresses).
             replicas=[
                 ReplicaInfo.model_construct(
                     replica_id=r.replica_id, worker_id=w.worker_id, endpoint=w.endpoint,
-                    locality=w.locality, addresses=r.addresses, cost=cost,
+                    locality=w.locality, cost=cost,
+                    **_addresses.answer(r.addresses, req.address_runs, li.manifests[req.shard]),
                     chunks=None if r.chunks is None else sorted(r.chunks),
                     coming=sorted(r.coming) if r.chunks is not None else [],
                     status_addr=r.status_addr, status_tag=r.status_tag,
@@ -736,6 +734,7 @@ class CoordinatorState:
             rid, _ = self.register_replica(now, RegisterReplica.model_construct(
                 worker_id=req.worker_id, model=req.model, version=req.version, layout=req.layout, shard=req.shard,
                 num_shards=num_shards, manifest=None, manifest_digest=o.manifest_digest, addresses=o.addresses,
+                address_runs=o.address_runs,
                 partial=True, chunk_bytes=o.chunk_bytes, num_chunks=o.num_chunks, status_addr=o.status_addr,
                 status_tag=o.status_tag, release=[]))
             return rid, ""

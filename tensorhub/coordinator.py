@@ -345,7 +345,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     async def register_worker(req: RegisterWorker) -> dict:
         coord.call(lambda now: st().register_worker(now, req.worker_id, req.endpoint, req.locality), soft=True)
         return {"epoch": coord.state.epoch, "worker_ttl": coord.config.worker_ttl,
-                "lease_ttl": coord.config.lease_ttl}
+                "lease_ttl": coord.config.lease_ttl, "address_runs": True}
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
     async def heartbeat(worker_id: str = _id(), req: Optional[Heartbeat] = Body(default=None)) -> dict:

@@ -138,6 +138,13 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Read from holders on this host by copying from their memfd-backed memory (fds passed "
         "over a Unix socket under a lease), instead of over the data plane's loopback.",
     ),
+    "TENSORHUB_ADDRESS_RUNS": (
+        _bool("TENSORHUB_ADDRESS_RUNS", True),
+        "Send a replica's tensor addresses to the coordinator, and ask for sources', as a "
+        "few runs when the memory lays tensors out in order (the Hub's own allocations), "
+        "instead of one address per tensor; 0 sends and asks for plain lists, as clients "
+        "before runs did (coordinators that predate runs get plain lists either way).",
+    ),
     "TENSORHUB_SHM_POOL_BYTES": (
         _int("TENSORHUB_SHM_POOL_BYTES", -1),
         "Bytes of freed TensorHub-allocated CPU memory kept (pages faulted in) for reuse by "
