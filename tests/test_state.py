@@ -346,11 +346,16 @@ class Machine(RuleBasedStateMachine):
         newest = self.s.latest("m")
         before = {rid for rid, r in self.s.replicas.items() if r.worker_id == w and r.version == v}
         available = v == newest and self.s._available("m", v, set())
+        retired = v not in self.s.catalog.model("m").versions
         try:
             drained, _ = self.s.unpublish(self.now, w, "m", v)
         except RetentionError:
             assert v == newest
             return
+        except NotFoundError as e:  # retention retired it (keep_versions): only a version nobody held
+            assert retired and not before and e.code == "unknown_version" and "retired" in str(e), (v, e)
+            return
+        assert not retired, f"v{v} was retired, yet unpublish answered"
         if available:  # retention: the newest complete version still has a serving replica
             assert self.s._available("m", v, set())
         if drained:
