@@ -99,7 +99,7 @@ def load_into(model: Any, tensors: Mapping[str, Any], limit: int, groups: Groups
     return n
 
 
-def borrow_into(st: Any, model: Any, version: int, limit: int, borrowed: Any = None) -> Optional[Any]:
+def borrow_into(st: Any, model: Any, version: int, limit: int) -> Optional[Any]:
     """Start from a same-host holder's memory in place (``Hub.borrow``): feed its read-only
     views of ``version``'s ``hf`` tensors to ``model.load_weights`` in buckets, with no copy
     of the version of our own (``st``: the worker's ``WorkerState``). Returns the open
@@ -111,20 +111,16 @@ def borrow_into(st: Any, model: Any, version: int, limit: int, borrowed: Any = N
     Safety: a model tensor that still views the borrowed memory once ``load_weights``
     returned (an engine that kept a loaded tensor instead of copying it) is copied into
     memory of its own before anything else happens, so the model never reads the holder's
-    memory after the lease. ``borrowed``: the ``Borrowed`` of ``version`` a head start
-    (``head_start``) already holds; its lease, mapping and checksums were done meanwhile."""
+    memory after the lease."""
     import tensorhub
 
     s = st.settings
     t0 = time.monotonic()
-    ahead = borrowed is not None
-    b = borrowed
-    if b is None:
-        try:
-            b = st.hub.borrow(s.model, version, layout="hf", timeout=s.fetch_timeout)
-        except tensorhub.TensorHubError as e:  # the fetch says what is wrong, if anything still is
-            logger.info("tensorhub: reading %s v%d in place failed (%s); fetching it", s.model, version, e)
-            return None
+    try:
+        b = st.hub.borrow(s.model, version, layout="hf", timeout=s.fetch_timeout)
+    except tensorhub.TensorHubError as e:  # the fetch says what is wrong, if anything still is
+        logger.info("tensorhub: reading %s v%d in place failed (%s); fetching it", s.model, version, e)
+        return None
     if b is None:
         return None
     try:
@@ -148,10 +144,9 @@ def borrow_into(st: Any, model: Any, version: int, limit: int, borrowed: Any = N
         b.release_quietly()
         raise
     st.version, st.specs = version, specs
-    logger.info("tensorhub: loaded %s v%d in place (hf): %.1f MB in %.2fs (lease + mapping + checksums %.2fs%s, "
+    logger.info("tensorhub: loaded %s v%d in place (hf): %.1f MB in %.2fs (lease + mapping + checksums %.2fs, "
                 "load_weights %.2fs) from %s: the holder's memory on this host, no copy of our own", s.model, version,
-                b.nbytes / 1e6, t2 - t0, b.seconds if ahead else t1 - t0,
-                " ahead, while the engine built its model" if ahead else "", t2 - t1, {b.worker_id: b.nbytes})
+                b.nbytes / 1e6, t2 - t0, t1 - t0, t2 - t1, {b.worker_id: b.nbytes})
     return b
 
 

@@ -26,7 +26,7 @@ from .._core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HOOKS", "WorkerState", "off_engine_cores", "place_head_start", "connect", "engine", "layer_groups"]
+__all__ = ["HOOKS", "WorkerState", "off_engine_cores", "connect", "engine", "layer_groups"]
 
 
 def engine() -> EngineRanks:
@@ -193,13 +193,7 @@ def engine_quiet(limit: float = 10.0, window: float = 0.2, busy: float = 0.5) ->
     return time.monotonic() - t0
 
 
-def place_head_start() -> None:
-    """Where a start's head start (``_core.head_start``) runs: off the engine's pinned
-    cores, at normal priority (the start waits for it)."""
-    off_engine_cores(nice=0)
-
-
-def off_engine_cores(nice: int = 10) -> None:
+def off_engine_cores() -> None:
     """Make the calling thread (Linux: per thread) give way to the engine: off the cores
     the engine's threads are pinned to (vLLM's CPU worker pins its OpenMP threads, and
     every thread they start, to its cores; the others are left to its front-end processes),
@@ -214,8 +208,7 @@ def off_engine_cores(nice: int = 10) -> None:
     except (AttributeError, OSError, ValueError):
         pass
     try:
-        if nice:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):
         pass
 

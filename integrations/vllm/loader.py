@@ -39,7 +39,6 @@ import logging
 from typing import Any, Optional
 
 from .._core import load, worker
-from .._core.head_start import HeadStart
 from . import _native, _runtime
 
 logger = logging.getLogger(__name__)
@@ -59,7 +58,6 @@ def make_loader_class() -> type:
             self._pending_disk: Optional[dict] = None
             self._pending_native: Any = None
             self._pending_borrow: Any = None  # a start in place: the lease kept until the copy is made
-            self._head: Optional[HeadStart] = None  # connect/resolve/borrow while vLLM builds the model
 
         def load_weights(self, model: Any, model_config: Any) -> None:
             with self.one_line_errors():
@@ -67,17 +65,8 @@ def make_loader_class() -> type:
 
         def _load(self, model: Any, model_config: Any) -> None:
             s = self.settings
-            head, self._head = self._head, None
-            st, resolved, ahead = head.take() if head is not None else (None, None, None)
-            try:
-                self._read(model, model_config, st or _runtime.connect(s), resolved, ahead)
-            finally:
-                if self._pending_borrow is not ahead and ahead is not None:  # not used (native): give it back
-                    ahead.release_quietly()
-
-        def _read(self, model: Any, model_config: Any, st: Any, resolved: Optional[tuple], ahead: Any) -> None:
-            s = self.settings
-            v = resolved[0] if resolved is not None else worker.resolve(st, s.version, on_missing=s.on_missing)
+            st = _runtime.connect(s)
+            v = worker.resolve(st, s.version, on_missing=s.on_missing)
             if s.native:  # before any weight lands: the same on the engine that publishes and the one that reads
                 st.layout = _native.fingerprint(model, model_config, tp_size=st.tp_size, pp_size=st.pp_size,
                                                 pp_rank=st.pp_rank)
@@ -91,7 +80,7 @@ def make_loader_class() -> type:
                 self._pending_disk = tensors
                 load.load_into(model, tensors, s.bucket_bytes, st.hooks.groups)
                 return
-            borrowed = load.borrow_into(st, model, v, s.bucket_bytes, ahead)
+            borrowed = load.borrow_into(st, model, v, s.bucket_bytes)
             if borrowed is not None:  # loaded in place from a same-host holder's memory
                 if st.serving:  # its copy is made once the engine is up (load_model)
                     self._pending_borrow = borrowed
@@ -120,14 +109,7 @@ def make_loader_class() -> type:
                 return None
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
-            # vLLM builds the model, then calls load_weights: connect (and borrow) meanwhile
-            self._head = HeadStart(self.settings, _runtime.connect, _runtime.place_head_start)
-            try:
-                model = super().load_model(vllm_config, model_config, prefix)
-            finally:
-                head, self._head = self._head, None
-                if head is not None:  # load_weights never ran (the build failed)
-                    head.discard()
+            model = super().load_model(vllm_config, model_config, prefix)
             st = worker.get_state()
             if st is None:
                 return model
