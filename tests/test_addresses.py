@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from tensorhub import _addresses
 from tensorhub._addresses import ALIGNS, check, encode, expand
 from tensorhub._wire import AddressRuns, LeaseGrant, Manifest, TensorSpec, manifest_digest
-from tensorhub.testing import CoordinatorProcess, Worker, digest, make_weights
+from tensorhub.testing import Worker, digest, make_weights
 
 DTYPES = [("float32", 4), ("bfloat16", 2), ("int8", 1), ("float64", 8)]
 
@@ -97,14 +97,6 @@ def test_a_run_past_the_address_space_or_miscounted_is_refused():
 N = 2000  # tensors: enough that answers splice (LeaseAnswers), small enough to be quick
 
 
-@pytest.fixture
-def coord(tmp_path):
-    c = CoordinatorProcess(tmp_path / "state")
-    c.start()
-    yield c
-    c.stop()
-
-
 def _setup(c: httpx.Client):
     man = _manifest([("bfloat16", 16 + i % 9) for i in range(N)])
     for w in ("pub", "reader", "old"):
@@ -125,8 +117,8 @@ def _lease(c: httpx.Client, worker: str, v: int, **kw) -> httpx.Response:
     return c.post("/v1/leases", json={"worker_id": worker, "model": "m", "version": v, "manifest": False, **kw})
 
 
-def test_runs_are_stored_and_forwarded_and_expanded_only_for_old_readers(coord):
-    with httpx.Client(base_url=coord.url, timeout=30) as c:
+def test_runs_are_stored_and_forwarded_and_expanded_only_for_old_readers(coordinator):
+    with httpx.Client(base_url=coordinator.url, timeout=30) as c:
         man, v, addrs, runs = _setup(c)
         body = {"worker_id": "pub", "model": "m", "version": v, "manifest": man.model_dump(mode="json"),
                 "address_runs": runs.model_dump(mode="json")}
@@ -174,8 +166,8 @@ BAD_RUNS = [
 
 
 @pytest.mark.parametrize("runs,why", BAD_RUNS)
-def test_malformed_runs_are_refused_clearly_and_the_service_keeps_serving(coord, runs, why):
-    with httpx.Client(base_url=coord.url, timeout=30) as c:
+def test_malformed_runs_are_refused_clearly_and_the_service_keeps_serving(coordinator, runs, why):
+    with httpx.Client(base_url=coordinator.url, timeout=30) as c:
         man, v, addrs, good = _setup(c)
         by_manifest = {"worker_id": "pub", "model": "m", "version": v, "manifest": man.model_dump(mode="json"),
                        "address_runs": runs}
