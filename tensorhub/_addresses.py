@@ -23,13 +23,12 @@ Who calls what:
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from ._exceptions import InvalidRequestError
+from ._kept import KeptBy
 from ._wire import AddressRuns, LeaseGrant, Manifest
 
 __all__ = ["ALIGNS", "encode", "expand", "check", "checked", "invalid", "stored", "answer", "expand_grant"]
@@ -42,13 +41,11 @@ RUNS_FRACTION = 4
 #: One past the largest address.
 ADDRESS_END = 1 << 64
 
-_KEPT = 16
-_lock = threading.Lock()
-#: (id(manifest), align) -> (manifest, offsets): offsets[i] = sum of the rounded sizes of
-#: the tensors before i (int64, n + 1 entries), and the sizes themselves.
-_prefixes: "OrderedDict[tuple[int, int], tuple[Manifest, np.ndarray, np.ndarray]]" = OrderedDict()
-#: id(runs) -> (runs, expanded list): what old readers are answered, built once per replica.
-_expanded: "OrderedDict[int, tuple[AddressRuns, list[int]]]" = OrderedDict()
+#: (manifest, align) -> (offsets, sizes): offsets[i] = sum of the rounded sizes of the
+#: tensors before i (int64, n + 1 entries), and the sizes themselves.
+_prefixes = KeptBy(16)
+#: runs -> expanded list: what old readers are answered, built once per replica.
+_expanded = KeptBy(16)
 
 Addresses = Union[list, AddressRuns]
 
@@ -56,19 +53,13 @@ Addresses = Union[list, AddressRuns]
 def _prefix(manifest: Manifest, align: int) -> tuple[np.ndarray, np.ndarray]:
     """Each tensor's offset inside a run (relative to the run's first tensor's, by
     subtraction) and each tensor's size; kept for the last few manifests (by identity)."""
-    key = (id(manifest), align)
-    with _lock:
-        hit = _prefixes.get(key)
-        if hit is not None and hit[0] is manifest:
-            _prefixes.move_to_end(key)
-            return hit[1], hit[2]
+    return _prefixes.get(manifest, lambda: _offsets(manifest, align), align)
+
+
+def _offsets(manifest: Manifest, align: int) -> tuple[np.ndarray, np.ndarray]:
     sizes = np.fromiter((t.nbytes for t in manifest.tensors), dtype=np.int64, count=len(manifest.tensors))
     offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(-(-sizes // align) * align, out=offsets[1:])  # <= 1 PiB + 2^30 per tensor: fits
-    with _lock:
-        _prefixes[key] = (manifest, offsets, sizes)
-        while len(_prefixes) > _KEPT:
-            _prefixes.popitem(last=False)
     return offsets, sizes
 
 
@@ -156,17 +147,7 @@ def answer(addresses: Addresses, runs_ok: bool, manifest: Manifest) -> dict:
         return {"addresses": addresses}
     if runs_ok:
         return {"addresses": [], "address_runs": addresses}
-    with _lock:
-        hit = _expanded.get(id(addresses))
-        if hit is not None and hit[0] is addresses:
-            _expanded.move_to_end(id(addresses))
-            return {"addresses": hit[1]}
-    full = expand(addresses, manifest)
-    with _lock:
-        _expanded[id(addresses)] = (addresses, full)
-        while len(_expanded) > _KEPT:
-            _expanded.popitem(last=False)
-    return {"addresses": full}
+    return {"addresses": _expanded.get(addresses, lambda: expand(addresses, manifest))}
 
 
 # ------------------------------------------------------------------ client

@@ -25,6 +25,7 @@ from . import _addresses, _samehost as samehost, envs
 from ._client import CoordinatorClient
 from ._exceptions import FetchError, HubClosedError, NotFoundError, TensorHubError
 from ._holdings import Held, Holdings, unregister_regions
+from ._kept import KeptBy
 from ._metrics import FetchProgress, Outbox, hub_metrics
 from ._wire import HeartbeatAnswer, LeaseGrant, Manifest, ReplicaRegistered, manifest_digest
 from .transport import Transport, create_transport
@@ -86,7 +87,7 @@ class Session:
         self._manifests: "OrderedDict[tuple, Manifest]" = OrderedDict()
         self._manifests_lock = threading.Lock()
         #: id(manifest) -> (manifest, its digest): registration by digest.
-        self._digests: dict[int, tuple[Manifest, str]] = {}
+        self._digests = KeptBy(MANIFESTS_KEPT)  # manifest -> manifest_digest
         #: (epoch, served leases, served bytes) last answered on a heartbeat.
         self._served_seen: tuple[Optional[str], int, int] = (None, 0, 0)
 
@@ -205,16 +206,7 @@ class Session:
 
     def digest(self, m: Manifest) -> str:
         """``manifest_digest(m)``, computed once per manifest object kept."""
-        with self._manifests_lock:
-            hit = self._digests.get(id(m))
-            if hit is not None and hit[0] is m:
-                return hit[1]
-        d = manifest_digest(m)
-        with self._manifests_lock:
-            self._digests[id(m)] = (m, d)
-            while len(self._digests) > MANIFESTS_KEPT:
-                self._digests.pop(next(iter(self._digests)))
-        return d
+        return self._digests.get(m, lambda: manifest_digest(m))
 
     def replica_body(self, h: Held, digest: bool = False) -> dict:
         body = {
