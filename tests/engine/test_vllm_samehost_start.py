@@ -6,22 +6,15 @@ of the version, so the trainer can drop the version and the engine serves it on.
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import pytest
 
 from _engines import Coordinator, OfflineEngine, require_vllm
+from tensorhub.testing import digest
 from _tiny import PROMPTS, make_model_dir, make_weights
 
 pytestmark = pytest.mark.engine
-
-
-def _digest(tensors) -> dict:
-    import torch
-
-    return {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-            for k, v in tensors.items()}
 
 
 def test_engine_starts_in_place_from_a_same_host_trainer_and_then_serves_its_own_copy(tmp_path):
@@ -69,7 +62,7 @@ def test_engine_starts_in_place_from_a_same_host_trainer_and_then_serves_its_own
         for t in snap.values():
             t.zero_()
         got = trainer.fetch("policy", v1, serve=False)  # the engine's copy, every byte
-        assert set(got.sources) == {"engine-s"} and _digest(got) == _digest(w1)
+        assert set(got.sources) == {"engine-s"} and digest(got) == digest(w1)
         # The parameters view nothing of the trainer's (now zeroed) memory.
         assert eng.call("generate", prompts=PROMPTS)["text"] == first
     finally:
