@@ -40,7 +40,9 @@ Workloads (1,024 GPUs on 128 nodes in 1-4 datacenters by default):
 
 * ``standalone``: a trainer publishes; every GPU fetches the new version.
 * ``elastic``: 7/8 of the GPUs already serve the version; 1/8 join and fetch it.
-* ``crossdc``: the trainer is in datacenter 0; GPUs are spread over D datacenters.
+* ``crossdc``: the trainer is in datacenter 0; GPUs are spread over D datacenters (with
+  D > 2 the seeders of the others read by one plan across datacenters, scope
+  ``tensorhub._stripes.WAN``, the trainer's stripes relayed by datacenter 0's readers).
 
 Compared with: single-source (the planner's ``single-source`` policy, simulated), ring
 broadcast (NCCL style, pipelined, analytic), push-then-pull through storage (analytic),
@@ -71,7 +73,9 @@ from tensorhub._planner import (  # noqa: E402 - the planner the coordinator run
     LEVELS, Candidate, chunk_order, choose_sources, claims, grid_chunk_bytes, group_key, locality_cost, pick_chunk,
     reserve_chunks, start_fraction, start_reverse,
 )
-from tensorhub._stripes import MIN_CHUNKS, NONE, STRIPES, Plan, plan_root  # noqa: E402 - the plans it grants
+from tensorhub._stripes import (  # noqa: E402 - the plans it grants
+    MIN_CHUNKS, NONE, STRIPES, WAN, Plan, plan_root, relayed, wan_root, wan_stripes,
+)
 from tensorhub._wire import Locality  # noqa: E402
 
 GB = 1e9
@@ -424,17 +428,33 @@ class MapSim(Sim):
             seeder_rid = self._rid_of(seeder) if seeder is not None and seeder != r.wid and \
                 seeder in self.mreaders and self.mreaders[seeder].leased else None
             root = plan_root(r.loc, str(r.wid), self._candidates(), seeder_rid)
+            scope = r.loc.datacenter
+            if root is None and seeder in (None, r.wid):  # it seeds its datacenter: the plan across them
+                root, scope = wan_root(r.loc, str(r.wid), self._candidates()), WAN
             if root is None:
                 return False
-            r.plan_key = (r.loc.datacenter, root)
-            plan = self.plans.get(r.plan_key)
+            key = (scope, root)
+            plan = self.plans.get(key)
             if plan is None:
-                plan = self.plans[r.plan_key] = Plan(root, STRIPES, self.now)
+                stripes = STRIPES
+                if scope == WAN:
+                    home = next(c.locality.datacenter for c in self._candidates() if c.replica_id == root)
+                    stripes = wan_stripes({self.cl.locality(w).datacenter for w in [*self.complete, *self.readers]},
+                                          home)
+                    if stripes < 2:
+                        return False  # one datacenter to seed: the usual choice (as _state._plan)
+                plan = self.plans[key] = Plan(root, stripes, self.now)
+            r.plan_key = key
             plan.join(str(r.wid), self._rid_of(r.wid), self.now, r.loc.host)
+            if scope == WAN:
+                for lvl in LEVELS:
+                    self.seeders.setdefault((lvl,) + group_key(r.loc, lvl), r.wid)
         plan = self.plans[r.plan_key]
         row, again = plan.parents(str(r.wid), self.now)
-        r.plan, r.plan_refresh = row, again
         by_rid = {c.replica_id: c for c in self._candidates()}
+        if r.plan_key[0] == WAN:  # the root's stripes from its own datacenter's plan (_state.acquire_lease)
+            row = relayed(row, plan.root, self.plans.get((by_rid[plan.root].locality.datacenter, plan.root)))
+        r.plan, r.plan_refresh = row, again
         if not r.leased:
             by_rid.setdefault(self._rid_of(r.wid), None)
         wanted = [x for x in dict.fromkeys(row) if x != NONE] or [plan.root]

@@ -69,7 +69,7 @@ from ._planner import (
 )
 from ._registry import Lease, Registry, Replica, ShardKey, Worker
 from ._slices import SLICED
-from ._stripes import MIN_CHUNKS, NONE, STRIPES, Plan, plan_root
+from ._stripes import MIN_CHUNKS, NONE, STRIPES, WAN, Plan, plan_root, relayed, wan_root, wan_stripes
 from ._views import FETCH_STALE, metrics_view, record_fetch, status_view
 from ._wire import (
     AcquireLease,
@@ -160,7 +160,7 @@ class CoordinatorState:
         self._digests: dict[tuple, str] = {}
         #: (model, version, layout, shard) -> (its manifest, chunk bytes of its grid).
         self._grids: dict[tuple, tuple[Manifest, int]] = {}
-        #: Striped plans (``_stripes``): (shard key, datacenter, root) -> plan, and
+        #: Striped plans (``_stripes``): (shard key, datacenter or ``WAN``, root) -> plan, and
         #: (shard key, worker) -> the plan it is a member of.
         self.plans: dict[tuple, Plan] = {}
         self.plan_of: dict[tuple, tuple] = {}
@@ -590,13 +590,25 @@ class CoordinatorState:
         again = 0.0
         use: list[str] = []
         if planned is not None:
-            plan = planned[0]
-            row, again = plan.parents(req.worker_id, now, lambda rid: rid not in by_id or rid in excluded)
+            plan, wan = planned[0], planned[1][1] == WAN
+
+            def bad(rid: str) -> bool:
+                return rid not in by_id or rid in excluded
+
+            row, again = plan.parents(req.worker_id, now, bad)
+            if wan:  # the root's stripes from its own datacenter's plan, where it has one
+                home = by_id[plan.root][1].locality.datacenter if plan.root in by_id else None
+                row = relayed(row, plan.root, self.plans.get((key, home, plan.root)), bad)
             use = [x for x in dict.fromkeys(row) if x != NONE] or ([plan.root] if plan.root in by_id else [])
         if use:
             who = f"member {plan.order[req.worker_id] + 1}" if req.worker_id in plan.order else "late"
+            # (across datacenters the reader seeds its groups: the others of its datacenter
+            # read by a plan rooted at its partial replica)
+            seed = tuple(lvl for lvl in LEVELS if not seeders[lvl][1] or seeders[lvl][0] == req.worker_id) \
+                if wan else ()
             choice = Choice(tuple((c, locality_cost(reader.locality, c.locality)) for c in cands if c.replica_id in use),
-                            (), f"striped plan, {who} of {len(plan.members)}" + (" (forming)" if again else ""))
+                            seed, f"striped plan{' across datacenters' if wan else ''}, {who} of "
+                            f"{len(plan.members)}" + (" (forming)" if again else ""))
         else:  # no plan, or nothing left to read by it: the usual choice
             planned, row, again = None, [], 0.0
             choice = choose_sources(reader.locality, req.worker_id, cands, max_sources=req.max_sources,
@@ -714,12 +726,21 @@ class CoordinatorState:
             seeder_rid = next((rid for rid, (r, _) in by_id.items() if r.worker_id == who and r.chunks is not None),
                               None)
         root = plan_root(reader.locality, req.worker_id, cands, seeder_rid)
+        scope = reader.locality.datacenter
+        if root is None and not (alive and who not in (None, req.worker_id)):  # it seeds its datacenter
+            root, scope = wan_root(reader.locality, req.worker_id, cands), WAN
         if root is None:
             return None
-        pk = (key, reader.locality.datacenter, root)
+        pk = (key, scope, root)
         plan = self.plans.get(pk)
         if plan is None:
-            plan = self.plans[pk] = Plan(root, STRIPES, now)
+            stripes = STRIPES
+            if scope == WAN:  # one stripe per datacenter that will seed (a scan once per version and shard)
+                home = next(c.locality.datacenter for c in cands if c.replica_id == root)
+                stripes = wan_stripes((w.locality.datacenter for w in self.workers.values()), home)
+                if stripes < 2:
+                    return None  # one datacenter to seed: nothing to stripe between (the usual choice)
+            plan = self.plans[pk] = Plan(root, stripes, now)
         return plan, pk
 
     def _serve_offer(self, now: float, req: AcquireLease, num_shards: int) -> tuple[Optional[str], str]:

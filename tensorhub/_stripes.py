@@ -41,6 +41,18 @@ The plan (SplitStream-like), one per (model, version, layout, shard, datacenter,
   datacenter has none, its seeder's partial replica (the one reader that crosses the
   slow link, ``_planner.choose_sources``).
 
+Across datacenters (issue 13: 4 datacenters took 1.83x the bound in
+``benchmarks/simulate.py``): the seeders of the datacenters that have no complete replica
+form one more plan, scope :data:`WAN`, rooted at the one complete replica elsewhere (the
+publisher), with one stripe per such datacenter (:func:`wan_stripes`). Each seeder takes
+its own stripe over the link from the publisher's datacenter and every other stripe from
+the seeder that carries it, over the link between their datacenters: with D of them, every
+slow link carries 1/D of the version instead of the publisher's links carrying all of it.
+The root's stripes are not read from the publisher itself when its datacenter has a plan
+of its own (:func:`relayed`): the member of that plan that carries the stripe first hands
+it on, so the publisher's uplink still sends the version once (sending it once more to the
+other datacenters made it the bottleneck: 1.5x the bound at 4 datacenters).
+
 The layout needs the members, so a plan *forms* for ``window`` seconds after its first
 member joined: meanwhile member a < D reads its own stripe from the root (so the root
 sends from the first moment, and sends each stripe once) and the other stripes from the
@@ -69,7 +81,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-__all__ = ["STRIPES", "WINDOW", "MIN_CHUNKS", "NONE", "Plan", "stripe_of", "layout", "plan_root"]
+__all__ = ["STRIPES", "WINDOW", "MIN_CHUNKS", "NONE", "WAN", "Plan", "stripe_of", "layout", "plan_root", "wan_root",
+           "wan_stripes", "relayed"]
 
 #: Stripes per shard (the tree fan-out, too).
 STRIPES = 4
@@ -84,6 +97,8 @@ EARLY = 0.01
 MIN_CHUNKS = 32
 #: "no parent (yet)" in a parents list.
 NONE = ""
+#: The scope of a plan across datacenters (its members: the datacenters' seeders).
+WAN = "*"
 
 
 def stripe_of(chunk: int, stripes: int) -> int:
@@ -308,6 +323,17 @@ class Plan:
         self.kids[(p, s)] = self.kids.get((p, s), 0) + 1
         return self._rid(p)
 
+    def relay(self, stripe: int, bad: Callable[[str], bool] = lambda rid: False) -> Optional[str]:
+        """The member that receives stripe ``stripe % stripes`` first (the earliest interior
+        member of it that has not failed), or None: who hands that stripe on to another
+        datacenter instead of the root (:func:`relayed`)."""
+        t, n = stripe % self.stripes, len(self.members)
+        for m in range(t, n, self.stripes) if t < n else [t % n] if n else []:  # (as ``layout``)
+            rid = self._rid(m)
+            if not bad(rid):
+                return rid
+        return None
+
 
 def plan_root(reader, reader_id: str, cands, seeder_replica: Optional[str]) -> Optional[str]:
     """The root of a plan for a reader at locality ``reader``, or None (no plan: the usual
@@ -325,3 +351,36 @@ def plan_root(reader, reader_id: str, cands, seeder_replica: Optional[str]) -> O
     if not complete and seeder_replica is not None:
         return seeder_replica
     return None
+
+
+def wan_root(reader, reader_id: str, cands) -> Optional[str]:
+    """The root of a plan across datacenters (scope :data:`WAN`) for a reader about to seed
+    its datacenter (no live seeder there but itself), or None. Only where the version is
+    scarce: no complete replica in the reader's datacenter and exactly one anywhere else
+    (the publisher, before any reader completed)."""
+    complete = [c for c in cands if c.complete and c.worker_id != reader_id]
+    if len(complete) != 1 or complete[0].locality.datacenter == reader.datacenter:
+        return None
+    return complete[0].replica_id
+
+
+def wan_stripes(datacenters, root_datacenter: str) -> int:
+    """Stripes of a plan across datacenters: one per datacenter that will seed (those with
+    workers, but the root's), so each seeder carries one. Under 2 the coordinator makes no
+    such plan: with one datacenter to seed there is nothing to stripe between, and its
+    seeder reads best from several sources at once (``_planner.choose_sources``: 1.06x the
+    bound at 2 datacenters in ``benchmarks/simulate.py``, 1.13x by a one-stripe plan)."""
+    return max(1, len(set(datacenters) - {root_datacenter}))
+
+
+def relayed(row: Sequence[str], root: str, origin: Optional[Plan],
+            bad: Callable[[str], bool] = lambda rid: False) -> list[str]:
+    """A plan across datacenters' parents per stripe with the root replaced, stripe by
+    stripe, by the member of the root's own datacenter plan (``origin``) that receives that
+    stripe first (:meth:`Plan.relay`; the root where there is none). That member receives
+    every other stripe too, a hop or two later, well ahead of a slow link. Why: the
+    publisher then sends the version once, to its own datacenter, and its readers hand it
+    across (module docstring)."""
+    if origin is None:
+        return list(row)
+    return [(origin.relay(s, bad) or root) if x == root else x for s, x in enumerate(row)]

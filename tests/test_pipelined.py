@@ -223,6 +223,40 @@ def test_seeder_dies_mid_read_another_reader_takes_over(hubs):
     assert any(f.failed_sources for f in res.values())
 
 
+def test_cross_datacenter_seeders_share_the_slow_links(hubs):
+    """The publisher in "a", readers in four datacenters: exactly one copy enters each other
+    datacenter, and in parts from more than one datacenter -- each seeder takes its stripe
+    across from "a" and the others from the other seeders (``_stripes``, scope ``WAN``), so
+    no single slow link carries the whole version three times. Every byte right, nothing
+    incomplete read."""
+    pub, pt = hubs("pub", "dc=a,zone=z,host=p", bandwidth=48 * MiB)
+    w = weights(13, 64)
+    v = pub.publish("m", w)
+    pt.mark_published(w)
+    readers = [(f"{dc}{i}", hubs(f"{dc}{i}", f"dc={dc},zone=z,host={dc}h{i}", bandwidth=48 * MiB)[0])
+               for dc in "abcd" for i in range(2)]
+    got = fetch_all(readers, v)
+    all_read(got, w)
+
+    def dc_of(worker: str) -> str:
+        return "a" if worker == "pub" else worker[0]
+
+    size, from_pub = 64 * MiB, 0
+    for dc in "bcd":
+        into: dict[str, int] = {}
+        for name in (f"{dc}0", f"{dc}1"):
+            from_pub += got[name].sources.get("pub", 0)
+            for src, n in got[name].sources.items():
+                if dc_of(src) != dc:
+                    into[dc_of(src)] = into.get(dc_of(src), 0) + n
+        assert sum(into.values()) == size, (dc, into)  # one copy crossed into it
+        # about a third over each of its three links (the stripes' sizes differ by a chunk;
+        # the plan's first 50 ms, while it forms, may tilt it a little)
+        assert len(into) == 3 and max(into.values()) <= 0.45 * size and min(into.values()) >= 0.2 * size, (dc, into)
+    # the publisher's stripes were handed across by readers of "a" (but while the plan formed)
+    assert from_pub <= 0.25 * size, f"the publisher sent {from_pub / size:.2f}x the version to other datacenters"
+
+
 def _try(fn):
     try:
         return fn()

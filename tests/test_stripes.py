@@ -9,7 +9,9 @@ import collections
 
 import pytest
 
-from tensorhub._stripes import EARLY, MIN_CHUNKS, NONE, STRIPES, WINDOW, Plan, layout, plan_root, stripe_of
+from tensorhub._stripes import (
+    EARLY, MIN_CHUNKS, NONE, STRIPES, WAN, WINDOW, Plan, layout, plan_root, relayed, stripe_of, wan_root, wan_stripes,
+)
 
 
 def _depth(lay, m, s, seen=()):
@@ -238,6 +240,39 @@ def test_plan_root_only_where_one_source_is_scarce():
     assert plan_root(me, "me", [_cand("rx", "x", "h9", dc="b")], None) is None  # I will be the seeder
 
 
+def test_wan_root_only_for_a_seeder_while_one_complete_replica_exists():
+    from tensorhub._wire import Locality
+
+    me = Locality(datacenter="b", zone="z", host="h1")
+    pub = _cand("rp", "pub", "h0")
+    assert wan_root(me, "me", [pub, _cand("rq", "q", "h2", complete=False)]) == "rp"
+    assert wan_root(me, "me", [pub, _cand("rq", "q", "h2")]) is None  # two complete: the usual choice
+    assert wan_root(me, "me", [_cand("rb", "x", "h3", dc="b")]) is None  # complete in my datacenter
+    assert wan_root(me, "me", []) is None
+    assert wan_stripes(["a", "b", "c", "d", "b", "a"], "a") == 3
+    assert wan_stripes(["a"], "a") == 1
+
+
+def test_relayed_takes_the_roots_stripes_from_the_origin_plans_first_carriers():
+    origin = Plan("pub", STRIPES, 0.0)
+    for k in range(6):
+        origin.join(f"a{k}", f"ra{k}", 0.0)
+    # a plan across 3 datacenters: its first member reads stripe 0 from the root, the others
+    # from members 1 and 2
+    row = ["pub", "rb", "rc"]
+    assert relayed(row, "pub", origin) == ["ra0", "rb", "rc"]  # stripe 0's first carrier
+    assert relayed(["rb", "pub", "pub"], "pub", origin) == ["rb", "ra1", "ra2"]
+    # a failed carrier: the next interior member of that stripe (member 4 carries stripe 0 too)
+    assert relayed(row, "pub", origin, lambda rid: rid == "ra0") == ["ra4", "rb", "rc"]
+    assert relayed(row, "pub", origin, lambda rid: rid in ("ra0", "ra4")) == row  # none left: the root
+    assert relayed(row, "pub", None) == row  # no plan in the root's datacenter
+    few = Plan("pub", STRIPES, 0.0)
+    for k in range(2):
+        few.join(f"a{k}", f"ra{k}", 0.0)
+    # fewer members than stripes: member s % 2 carries stripe s (as in ``layout``)
+    assert relayed(["pub"] * 4, "pub", few) == ["ra0", "ra1", "ra0", "ra1"]
+
+
 # ---------------------------------------------------------------- the coordinator's grants
 def _state_with_version(nreaders, num_chunks=64, dcs=("a",)):
     from tensorhub._state import CoordinatorState, StateConfig
@@ -324,3 +359,38 @@ def test_plans_are_forgotten_when_unused():
     st.heartbeat(200.0, "pub")
     st.expire(200.0)
     assert not st.plans and not st.plan_of
+
+
+def test_coordinator_stripes_across_datacenters_and_relays_the_publishers_stripes():
+    """Readers in 4 datacenters, the publisher in "a": each other datacenter's first reader
+    (its seeder) joins one plan across datacenters with one stripe per seeding datacenter;
+    once fixed, it reads its own stripe from a reader of "a" (the first that carries it
+    there), never from the publisher, and each other stripe from the seeder that carries it.
+    The others of its datacenter read by a plan rooted at its partial replica."""
+    n = 16
+    dcs = ("a", "b", "c", "d")
+    st, v, man = _state_with_version(n, dcs=dcs)
+    first = [_lease(st, v, man, k, 0.001 * k) for k in range(n)]
+    pub = first[0].replicas[0].replica_id
+    rid = {k: g.partial_replica_id for k, g in enumerate(first)}
+    seeders = {1: "b", 2: "c", 3: "d"}  # reader k is in dcs[k % 4]: w1, w2, w3 came first in theirs
+    for k in seeders:
+        assert first[k].seed and "across datacenters" in first[k].reason and first[k].stripes == 3
+    for k in range(4, n):
+        g = first[k]
+        assert not g.seed and g.stripes == STRIPES
+        if k % 4:  # a follower in a seeded datacenter: its plan's root is the seeder's copy
+            assert rid[k % 4] in g.stripe_sources and pub not in g.stripe_sources
+    later = {k: _lease(st, v, man, k, 0.001 * n + WINDOW, lease_id=first[k].lease_id) for k in seeders}
+    a_readers = {rid[k] for k in range(0, n, 4)}
+    for k, g in later.items():
+        assert g.refresh_after == 0.0 and g.stripes == 3
+        own = g.stripe_sources[k - 1]
+        assert own in a_readers, (k, g.stripe_sources)  # relayed: not the publisher
+        assert pub not in g.stripe_sources
+        assert [x for s, x in enumerate(g.stripe_sources) if s != k - 1] == \
+            [rid[j] for j in seeders if j != k]  # the other stripes: the seeders that carry them
+        assert {x.replica_id for x in g.replicas} >= set(g.stripe_sources)
+    # three seeders, three different relays (stripe s of the plan across datacenters from
+    # the first carrier of stripe s of a's plan)
+    assert len({g.stripe_sources[k - 1] for k, g in later.items()}) == 3
