@@ -8,6 +8,12 @@ publisher and reader processes in network namespaces, over shaped links, real Mo
 * ``crossdc`` -- publisher in datacenter A, 4 readers in B, 100 Mbit/s between them:
   bytes that crossed the slow link (interface counters) and time until all hold it,
   TensorHub versus naive (each reader reads from the publisher).
+* ``crossdc --dcs 4`` -- publisher and ``--far-readers`` readers in A, as many in each of
+  B, C, D; every datacenter has its own slow WAN port (``--xdc-rate`` up and down, the
+  testbed's ``wan="star"``): time against the bound (one version through one port) and
+  the bytes through each port, TensorHub versus the same round on a coordinator started
+  with ``--no-plans`` (the seeders' choice before plans across datacenters: several
+  sources each, no striping between them) versus naive, side by side in one run.
 * ``elastic`` -- 4 engines follow a publisher that keeps publishing; 4 more join; their
   time until they serve the newest version, TensorHub versus a baseline where every
   newcomer reads from the publisher.
@@ -15,7 +21,7 @@ publisher and reader processes in network namespaces, over shaped links, real Mo
 Each prints a table, writes JSON and a PNG (``--out``, default ``out/``).
 
     sudo python benchmarks/bench_topology.py fanout [--mib 256] [--readers 1,2,4,8]
-    sudo python benchmarks/bench_topology.py crossdc [--mib 64]
+    sudo python benchmarks/bench_topology.py crossdc [--mib 64] [--dcs 4 --far-readers 2]
     sudo python benchmarks/bench_topology.py elastic [--mib 64]
     sudo python benchmarks/bench_topology.py all
 
@@ -250,9 +256,76 @@ def fanout(args: argparse.Namespace, out: Path) -> dict:
     return res
 
 
+def _bits(rate: str) -> float:
+    """``tc`` rate text (``100mbit``, ``1gbit``) in bits per second."""
+    for unit, f in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * f
+    raise ValueError(f"unknown rate {rate!r}")
+
+
+def crossdc_star(args: argparse.Namespace, out: Path) -> dict:
+    """Publisher in A, readers in A..D, one slow WAN port per datacenter (module docstring)."""
+    from testbed import Testbed
+
+    n, dcs = args.far_readers, [chr(ord("a") + k) for k in range(args.dcs)]
+    size = args.mib * MiB
+    bound = size * 8 / _bits(args.xdc_rate)  # every other datacenter takes in one version through its port
+    res: dict = {"scenario": "crossdc", "wan": "star", "dcs": args.dcs, "mib": args.mib, "xdc_rate": args.xdc_rate,
+                 "readers_per_dc": n, "bound_s": bound}
+    hosts = {dc: n + (1 if dc == "a" else 0) for dc in dcs}
+    names = [f"{dc}{k + (1 if dc == 'a' else 0)}" for dc in dcs for k in range(n)]
+    with Testbed(hosts, host_rate=args.host_rate, xdc_rate=args.xdc_rate, wan="star") as tb, \
+            tempfile.TemporaryDirectory() as d:
+        url = tb.start_coordinator(d)
+        os.makedirs(f"{d}/noplans", exist_ok=True)
+        url2 = tb.start_coordinator(f"{d}/noplans", plans=False)
+        sets = {u: (Proc(tb, "a0", u, out), [Proc(tb, h, u, out) for h in names]) for u in (url, url2)}
+        seed = 20
+        for mode, flag, u in (("tensorhub", True, url), ("no-plans", True, url2), ("naive", False, url)):
+            pub, readers = sets[u]
+            before = tb.wan_bytes()
+            seed += 1
+            r = _round(pub, readers, args.mib, seed, flag)
+            after = tb.wan_bytes()
+            ports = {dc: {k: (after[dc][k] - before[dc][k]) / size for k in ("up", "down")} for dc in dcs}
+            into = {dc: {} for dc in dcs[1:]}  # bytes each datacenter took from each other one (readers' counts)
+            for name, srcs in r["sources"].items():
+                for src, nb in srcs.items():
+                    if src[0] != name[0] and name[0] in into:
+                        into[name[0]][src[0]] = into[name[0]].get(src[0], 0) + nb / size
+            res[mode] = {"seconds": r["seconds"], "vs_bound": r["seconds"] / bound, "ports_x": ports,
+                         "busiest_port_x": max(v for p in ports.values() for v in p.values()),
+                         "into_x": into, "from_publisher_x": r["from_publisher"],
+                         "calls_per_reader": r["calls_per_reader"]}
+            print(f"  {mode}: {r['seconds']:.2f}s = {r['seconds'] / bound:.2f}x the bound, busiest WAN port "
+                  f"{res[mode]['busiest_port_x']:.2f}x the version", flush=True)
+        for pub, readers in sets.values():
+            for p in [pub, *readers]:
+                p.call(op="exit")
+    th = res["tensorhub"]
+    res["vs_no_plans"] = th["seconds"] / res["no-plans"]["seconds"]
+    res["vs_naive"] = th["seconds"] / res["naive"]["seconds"]
+    print(f"\ncross-datacenter, {args.dcs} datacenters on a {args.xdc_rate} WAN port each: {args.mib} MiB version, "
+          f"publisher and {n} readers in a, {n} in each other; bound {bound:.2f}s (one version through one port)")
+    print(f"{'mode':>10} {'seconds':>8} {'/bound':>7} {'a up (x)':>9} "
+          + " ".join(f"{dc + ' down':>7}" for dc in dcs[1:]) + f" {'pub (x)':>8}  taken from (x version)")
+    for mode in ("tensorhub", "no-plans", "naive"):
+        m = res[mode]
+        took = "; ".join(f"{dc}<-" + ",".join(f"{k}:{v:.2f}" for k, v in sorted(m["into_x"][dc].items()))
+                         for dc in dcs[1:])
+        print(f"{mode:>10} {m['seconds']:>8.2f} {m['vs_bound']:>7.2f} {m['ports_x']['a']['up']:>9.2f} "
+              + " ".join(f"{m['ports_x'][dc]['down']:>7.2f}" for dc in dcs[1:]) + f" {m['from_publisher_x']:>8.2f}  {took}")
+    print(f"TensorHub / --no-plans {res['vs_no_plans']:.2f}, / naive {res['vs_naive']:.2f}; issue 13 target "
+          f"within 1.3x of the bound -> {th['vs_bound']:.2f}x ({'met' if th['vs_bound'] <= 1.3 else 'MISSED'})")
+    return res
+
+
 def crossdc(args: argparse.Namespace, out: Path) -> dict:
     from testbed import Testbed
 
+    if args.dcs > 2:
+        return crossdc_star(args, out)
     n = args.far_readers
     res: dict = {"scenario": "crossdc", "mib": args.mib, "xdc_rate": args.xdc_rate, "readers": n}
     with Testbed({"a": 1, "b": n}, host_rate=args.host_rate, xdc_rate=args.xdc_rate) as tb, \
@@ -371,6 +444,8 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=None, help="version size (fanout 256, others 64)")
     ap.add_argument("--readers", default="1,2,4,8")
     ap.add_argument("--far-readers", type=int, default=4)
+    ap.add_argument("--dcs", type=int, default=2,
+                    help="crossdc: datacenters (2: A and B on one slow link; more: one slow WAN port each)")
     ap.add_argument("--host-rate", default="1gbit")
     ap.add_argument("--xdc-rate", default="100mbit")
     ap.add_argument("--out", default="out")

@@ -13,6 +13,11 @@ never touched, so deleting the namespaces removes every link and bridge):
   between consecutive datacenters, a veth pair shaped with ``tc tbf`` at ``xdc_rate``
   in both directions (the slow link); the coordinator runs here on 10.77.255.1 (bridge
   of the first datacenter);
+* or, with ``wan="star"``, one more bridge (the WAN) and one slow link per datacenter
+  between its bridge and the WAN, shaped at ``xdc_rate`` both ways: every datacenter's
+  traffic to all others shares its own uplink and downlink (a datacenter's WAN port), the
+  shape in which a version crossing to three datacenters from one is limited by that
+  one's uplink;
 * one namespace per host ``thb<id>h<k>`` with ``eth0`` = 10.77.<dc index>.<k+1>/16, a veth
   into its datacenter's bridge, shaped at ``host_rate`` in both directions (uplink and
   downlink), and ``lo`` up.
@@ -82,7 +87,10 @@ class Testbed:
     """N hosts in D datacenters; see the module docstring."""
 
     def __init__(self, hosts_per_dc: dict[str, int], *, host_rate: str = "1gbit", xdc_rate: str = "100mbit",
-                 tag: Optional[str] = None) -> None:
+                 tag: Optional[str] = None, wan: str = "chain") -> None:
+        if wan not in ("chain", "star"):
+            raise ValueError(f"wan must be 'chain' or 'star', not {wan!r}")
+        self.wan = wan
         self.hosts_per_dc = dict(hosts_per_dc)
         self.host_rate, self.xdc_rate = host_rate, xdc_rate
         self.id = tag or f"{os.getpid() % 100000}"
@@ -92,6 +100,8 @@ class Testbed:
         self.procs: list[subprocess.Popen] = []
         self.coordinator_ip = "10.77.255.1"
         self.xdc_links: list[str] = []
+        #: star: datacenter -> (its device towards the WAN, the WAN's device towards it)
+        self.wan_ports: dict[str, tuple[str, str]] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Testbed":
@@ -130,7 +140,19 @@ class Testbed:
             _sh("ip", "-n", core, "link", "set", br, "up")
             if d == 0:
                 _sh("ip", "-n", core, "addr", "add", f"{self.coordinator_ip}/16", "dev", br)
-            if d > 0:  # the slow link between consecutive datacenters
+            if self.wan == "star":  # its own slow link to the WAN bridge
+                if d == 0:
+                    _sh("ip", "-n", core, "link", "add", "brw", "type", "bridge")
+                    _sh("ip", "-n", core, "link", "set", "brw", "up")
+                a, b = f"x{d}up", f"w{d}dn"
+                _sh("ip", "-n", core, "link", "add", a, "type", "veth", "peer", "name", b)
+                _sh("ip", "-n", core, "link", "set", a, "master", br)
+                _sh("ip", "-n", core, "link", "set", b, "master", "brw")
+                for dev in (a, b):
+                    _sh("ip", "-n", core, "link", "set", dev, "up")
+                    self._tbf(core, dev, self.xdc_rate)
+                self.wan_ports[dc] = (a, b)
+            elif d > 0:  # the slow link between consecutive datacenters
                 a, b = f"x{d - 1}to{d}", f"x{d}to{d - 1}"
                 _sh("ip", "-n", core, "link", "add", a, "type", "veth", "peer", "name", b)
                 _sh("ip", "-n", core, "link", "set", a, "master", f"br{d - 1}")
@@ -207,9 +229,23 @@ class Testbed:
                 break
         raise RuntimeError("coordinator did not start in the testbed")
 
+    def wan_bytes(self) -> dict[str, dict[str, int]]:
+        """star: bytes each datacenter sent to the WAN (``up``) and received from it
+        (``down``) so far, by datacenter."""
+        out = {}
+        for dc, (a, b) in self.wan_ports.items():
+            up = json.loads(_sh("ip", "-n", self.core, "-s", "-j", "link", "show", a).stdout)[0]["stats64"]
+            dn = json.loads(_sh("ip", "-n", self.core, "-s", "-j", "link", "show", b).stdout)[0]["stats64"]
+            out[dc] = {"up": up["tx"]["bytes"], "down": dn["tx"]["bytes"]}  # (each end's egress, shaped)
+        return out
+
     def xdc_bytes(self) -> dict:
         """Bytes that crossed between datacenters so far, over all slow links: ``forward``
-        (from datacenter d-1 to d, where the publisher is upstream) and ``back``."""
+        (from datacenter d-1 to d, where the publisher is upstream; star: into every
+        datacenter) and ``back``."""
+        if self.wan == "star":
+            w = self.wan_bytes()
+            return {"forward": sum(x["down"] for x in w.values()), "back": sum(x["up"] for x in w.values())}
         fwd = back = 0
         for dev in self.xdc_links:
             out = _sh("ip", "-n", self.core, "-s", "-j", "link", "show", dev).stdout
