@@ -394,3 +394,19 @@ def test_coordinator_stripes_across_datacenters_and_relays_the_publishers_stripe
     # three seeders, three different relays (stripe s of the plan across datacenters from
     # the first carrier of stripe s of a's plan)
     assert len({g.stripe_sources[k - 1] for k, g in later.items()}) == 3
+
+
+def test_coordinator_replaces_a_failed_seeder_across_datacenters_by_a_relay():
+    """A seeder that carries a stripe across datacenters fails: the seeder that reported it
+    reads that stripe from a reader of the publisher's datacenter (the root's relay) on
+    its refresh, never from nobody, never from the failed one."""
+    n = 16
+    st, v, man = _state_with_version(n, dcs=("a", "b", "c", "d"))
+    first = [_lease(st, v, man, k, 0.001 * k) for k in range(n)]
+    pub = first[0].replicas[0].replica_id
+    rid = {k: g.partial_replica_id for k, g in enumerate(first)}
+    g = _lease(st, v, man, 2, 1.0, lease_id=first[2].lease_id)  # c's seeder, the layout fixed
+    assert g.stripe_sources[0] == rid[1]  # stripe 0 from b's seeder
+    r = _lease(st, v, man, 2, 1.1, lease_id=first[2].lease_id, exclude=[rid[1]])
+    assert r.stripe_sources[0] in {rid[k] for k in range(0, n, 4)}, r.stripe_sources
+    assert rid[1] not in r.stripe_sources and pub not in r.stripe_sources and NONE not in r.stripe_sources
