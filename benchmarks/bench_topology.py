@@ -76,14 +76,14 @@ def worker(argv: list[str]) -> int:  # pragma: no cover - runs in a child proces
                 say(ok=v)
             elif op == "fetch":
                 hub.pipelined = cmd["pipelined"]
-                t0 = time.time()
+                t0, c0 = time.time(), time.process_time()
                 f = hub.fetch("policy", cmd.get("version"), serve=cmd["serve"])
-                t1 = time.time()
+                t1, c1 = time.time(), time.process_time()  # (CPU of every thread: the data plane's too)
                 if cmd["serve"]:
                     held[f.version] = f
                 want = _weights(torch, cmd["mib"], cmd["seed"])  # every byte checked
                 good = want.keys() == f.keys() and all(torch.equal(f[k], want[k]) for k in want)
-                say(ok={"version": f.version, "start": t0, "end": t1, "sources": f.sources,
+                say(ok={"version": f.version, "start": t0, "end": t1, "cpu": c1 - c0, "sources": f.sources,
                         "nbytes": f.nbytes, "bytes_ok": good, "failed": list(f.failed_sources)})
             elif op == "unpublish":
                 for v in [v for v in held if v in cmd["versions"]]:
@@ -166,15 +166,27 @@ class Proc:
         return self.recv()
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds a process used so far (all its threads)."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _round(pub: Proc, readers: list[Proc], mib: int, seed: int, tensorhub_mode: bool) -> dict:
-    """Publish a fresh version, let every reader fetch it at once, time it."""
+    """Publish a fresh version, let every reader fetch it at once, time it. Also the CPU it
+    took: each reader's process during its fetch and the publisher's meanwhile, against the
+    machine's cores over the round (``cpu_busy``: 1.0 = every core busy the whole time; the
+    netns hosts share this machine's cores)."""
     before = pub.call(op="requests")
     v = pub.call(op="publish", mib=mib, seed=seed)
+    p0 = _cpu_s(pub.p.pid)
     t0 = time.time()
     for r in readers:
         r.send(op="fetch", version=v, pipelined=tensorhub_mode, serve=tensorhub_mode, mib=mib, seed=seed)
     res = {r.name: r.recv() for r in readers}
+    pub_cpu = _cpu_s(pub.p.pid) - p0  # (idle after the last fetch: the readers check bytes after it)
     t_all = max(x["end"] for x in res.values()) - t0
+    reader_cpu = sum(x["cpu"] for x in res.values())
     calls = _reader_calls(before, pub.call(op="requests"), len(readers))
     bad = [k for k, x in res.items() if not x["bytes_ok"]]
     assert not bad, f"readers {bad} got wrong bytes"
@@ -184,7 +196,8 @@ def _round(pub: Proc, readers: list[Proc], mib: int, seed: int, tensorhub_mode: 
     return {"version": v, "seconds": t_all, "per_reader": {k: x["end"] - t0 for k, x in res.items()},
             "sources": {k: x["sources"] for k, x in res.items()}, "failed": {k: x.get("failed") for k, x in res.items()},
             "started": {k: x["start"] - t0 for k, x in res.items()},
-            "calls_per_reader": calls,
+            "calls_per_reader": calls, "reader_cpu_s": reader_cpu, "publisher_cpu_s": pub_cpu,
+            "cpu_busy": (reader_cpu + pub_cpu) / ((os.cpu_count() or 1) * t_all),
             "from_publisher": sum(x["sources"].get(pub.name, 0) for x in res.values()) / (mib * MiB)}
 
 
@@ -214,6 +227,8 @@ def fanout(args: argparse.Namespace, out: Path) -> dict:
                 row[mode] = r["seconds"]
                 row[f"{mode}_calls_per_reader"] = r["calls_per_reader"]
                 row[f"{mode}_from_publisher_x"] = r["from_publisher"]
+                row[f"{mode}_cpu_busy"] = r["cpu_busy"]
+                row[f"{mode}_reader_cpu_s"] = r["reader_cpu_s"] / n
                 row[f"{mode}_per_reader_s"] = r["per_reader"]
                 row[f"{mode}_detail"] = {k: r[k] for k in ("sources", "failed", "started")}
             rows.append(row)
@@ -230,19 +245,23 @@ def fanout(args: argparse.Namespace, out: Path) -> dict:
             row["plans_vs_no_plans"] = row["tensorhub"] / row["no-plans"]
     print(f"\nfan-out: {args.mib} MiB version, {args.host_rate} host links, 1 publisher")
     print(f"{'N':>3} {'tensorhub s':>12} {'single s':>10} {'TH/TH(N=1)':>11} {'speedup':>8} {'pub bytes (x)':>14} "
-          f"{'calls/reader':>13}")
+          f"{'calls/reader':>13} {'CPU busy':>9} {'CPU s/reader':>13}")
     for row in rows:
         print(f"{row['readers']:>3} {row['tensorhub']:>12.2f} {row['single-source']:>10.2f} "
               f"{row['tensorhub_vs_own_n1']:>11.2f} {row['speedup_vs_single']:>8.2f} "
-              f"{row['tensorhub_from_publisher_x']:>14.2f} {row['tensorhub_calls_per_reader']:>13.1f}")
+              f"{row['tensorhub_from_publisher_x']:>14.2f} {row['tensorhub_calls_per_reader']:>13.1f} "
+              f"{row['tensorhub_cpu_busy']:>9.0%} {row['tensorhub_reader_cpu_s']:>13.2f}")
     print("calls/reader: the coordinator's requests during a TensorHub round (tensorhub_requests_total), "
-          "less heartbeats and the publisher's two, over the readers")
+          "less heartbeats and the publisher's two, over the readers; CPU busy: the readers' processes during "
+          f"their fetches and the publisher's, over {os.cpu_count()} cores x the round (the hosts share them); "
+          "CPU s/reader: one reader's process during its fetch, data plane included")
     if args.compare_plans:
         print(f"\nthe same rounds on a coordinator with --no-plans (interleaved):\n{'N':>3} {'no-plans s':>11} "
-              f"{'NP/NP(N=1)':>11} {'pub bytes (x)':>14} {'plans/no-plans':>15}")
+              f"{'NP/NP(N=1)':>11} {'pub bytes (x)':>14} {'plans/no-plans':>15} {'CPU busy':>9} {'CPU s/reader':>13}")
         for row in rows:
             print(f"{row['readers']:>3} {row['no-plans']:>11.2f} {row['no-plans_vs_own_n1']:>11.2f} "
-                  f"{row['no-plans_from_publisher_x']:>14.2f} {row['plans_vs_no_plans']:>15.2f}")
+                  f"{row['no-plans_from_publisher_x']:>14.2f} {row['plans_vs_no_plans']:>15.2f} "
+                  f"{row['no-plans_cpu_busy']:>9.0%} {row['no-plans_reader_cpu_s']:>13.2f}")
     last = rows[-1]
     print(f"issue 13 target at N={last['readers']}: within 1.3x of N=1 -> {last['tensorhub_vs_own_n1']:.2f}x "
           f"({'met' if last['tensorhub_vs_own_n1'] <= 1.3 else 'MISSED'})")
