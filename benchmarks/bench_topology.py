@@ -229,6 +229,7 @@ def fanout(args: argparse.Namespace, out: Path) -> dict:
                 row[f"{mode}_from_publisher_x"] = r["from_publisher"]
                 row[f"{mode}_cpu_busy"] = r["cpu_busy"]
                 row[f"{mode}_reader_cpu_s"] = r["reader_cpu_s"] / n
+                row[f"{mode}_publisher_cpu_s"] = r["publisher_cpu_s"]
                 row[f"{mode}_per_reader_s"] = r["per_reader"]
                 row[f"{mode}_detail"] = {k: r[k] for k in ("sources", "failed", "started")}
             rows.append(row)
@@ -268,7 +269,7 @@ def fanout(args: argparse.Namespace, out: Path) -> dict:
     print(f"targets at N={last['readers']}: within 2x of N=1 -> {last['tensorhub_vs_own_n1']:.2f}x "
           f"({'met' if last['tensorhub_vs_own_n1'] <= 2 else 'MISSED'}); >= 3.5x faster than single-source -> "
           f"{last['speedup_vs_single']:.2f}x ({'met' if last['speedup_vs_single'] >= 3.5 else 'MISSED'})")
-    res = {"scenario": "fanout", "mib": args.mib, "host_rate": args.host_rate, "rows": rows}
+    res = {"scenario": "fanout", "mib": args.mib, "host_rate": args.host_rate, "cores": os.cpu_count(), "rows": rows}
     _plot(out / "bench_fanout.png", "fan-out: time until every reader holds the version",
           "readers", [r["readers"] for r in rows],
           {"tensorhub": [r["tensorhub"] for r in rows], "single-source": [r["single-source"] for r in rows]})

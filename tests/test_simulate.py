@@ -68,3 +68,22 @@ def test_validate_compares_the_model_with_a_testbed_run(tmp_path: Path):
         assert r["model_calls"] >= 3  # manifest, lease, release (the testbed names the version)
     # the link efficiency is taken from the single-source run at N=1: the model matches it there
     assert abs(rows[0]["err_single"]) < 0.05
+
+
+def test_cpu_floor_is_leave_one_out_and_bounds_the_model_from_below(tmp_path: Path):
+    """With the testbed's CPU per round in the file, a row's model is at least the CPU such a
+    round takes over the cores -- computed from the *other* rows, never from its own."""
+    S = _sim()
+    rows = [{"readers": n, "tensorhub": t, "single-source": 0.6 * n, "tensorhub_reader_cpu_s": c,
+             "tensorhub_publisher_cpu_s": 0.1} for n, t, c in ((1, 0.6, 0.2), (2, 0.7, 0.3), (8, 5.0, 1.0))]
+    meas = {"scenario": "fanout", "mib": 64, "host_rate": "1gbit", "cores": 2, "rows": rows}
+    assert S.cpu_floor(meas, 8) == (8 * 0.3 + 0.1) / 2  # from the N=2 row only (not its own 1.0)
+    assert S.cpu_floor(meas, 2) == (2 * 1.0 + 0.1) / 2
+    assert S.cpu_floor(meas, 1) == (1 * 0.65 + 0.1) / 2  # (N=1 rows never count: no serving there)
+    assert S.cpu_floor(dict(meas, cores=None), 8) is None  # an older file: the network model alone
+    path = tmp_path / "bench_fanout.json"
+    path.write_text(json.dumps(meas))
+    args = argparse.Namespace(protocol="chunkmap", rtt_us=50.0, testbed_rtt_us=200.0, tick_ms=0.25)
+    got = {r["readers"]: r for r in S.validate(path, args)}
+    assert got[2]["model_tensorhub"] == got[2]["cpu_floor"] > got[2]["model_network"]  # CPU-bound there
+    assert got[1]["model_tensorhub"] == got[1]["model_network"]  # one reader: the network's time
