@@ -48,7 +48,9 @@ Compared with: single-source (the planner's ``single-source`` policy, simulated)
 broadcast (NCCL style, pipelined, analytic), push-then-pull through storage (analytic),
 and the lower bound (bytes / bottleneck bandwidth). ``--validate out/bench_fanout.json``
 runs the model at the testbed's size (N <= 8, 1 Gbit/s links) and prints its error against
-the measurement.
+the measurement; where the file carries each round's CPU (``bench_topology.py fanout``), the
+testbed's shared cores become one more link every flow crosses (:func:`cpu_rate`,
+leave-one-out from the file's other rows).
 
     python benchmarks/simulate.py                       # the three workloads at 1,024 GPUs
     python benchmarks/simulate.py --protocol reports --chunks 64   # the loop before chunk maps
@@ -93,6 +95,7 @@ class Cluster:
     nic: float = 400e9 / 8  # bytes/s per GPU, each direction
     nvlink: float = 3600e9 / 8
     wan: float = 100e9 / 8  # bytes/s per datacenter pair and direction
+    cpu: float = float("inf")  # bytes/s all transfers together can move on the hosts' shared cores (testbed)
 
     def locality(self, worker: int) -> Locality:
         if worker < 0:  # the trainer: its own host in datacenter 0
@@ -169,6 +172,8 @@ class Sim:
         p = [self._rid(("up", src), self.cl.nic), self._rid(("dn", dst), self.cl.nic)]
         if a.datacenter != b.datacenter:
             p.append(self._rid(("wan", a.datacenter, b.datacenter), self.cl.wan))
+        if self.cl.cpu != float("inf"):  # the testbed's cores: one more link every flow shares
+            p.append(self._rid(("cpu",), self.cl.cpu))
         return p
 
     # ------------------------------------------------------------- planner calls
@@ -761,19 +766,34 @@ def workload(name: str, args: argparse.Namespace, dcs: int) -> dict:
     return out
 
 
+def _cpu_rows(meas: dict, n: int) -> list:
+    return [x for x in meas["rows"] if x["readers"] >= 2 and x["readers"] != n and "tensorhub_reader_cpu_s" in x]
+
+
 def cpu_floor(meas: dict, n: int) -> Optional[float]:
     """The least time the testbed's cores allow a round of ``n`` readers: the CPU such a round
     takes over the cores the hosts share (``bench_topology.py fanout`` measures each round's:
     every reader's process during its fetch, the publisher's meanwhile). Leave-one-out: from
     the other rows of two or more readers (CPU per reader, the publisher's), never from the
     row it bounds. None without such rows (older files, or no CPU count)."""
-    cores = meas.get("cores")
-    others = [x for x in meas["rows"] if x["readers"] >= 2 and x["readers"] != n and "tensorhub_reader_cpu_s" in x]
+    cores, others = meas.get("cores"), _cpu_rows(meas, n)
     if not cores or not others:
         return None
     per_reader = sum(x["tensorhub_reader_cpu_s"] for x in others) / len(others)
     pub = sum(x["tensorhub_publisher_cpu_s"] for x in others) / len(others)
     return (n * per_reader + pub) / cores
+
+
+def cpu_rate(meas: dict, n: int, nbytes: float) -> float:
+    """The bytes per second the testbed's cores can move for a round of ``n`` readers, all
+    transfers together (each reader takes in one version): the cores over the CPU-seconds
+    per byte of the file's other rows (leave-one-out, as :func:`cpu_floor`); inf without them."""
+    cores, others = meas.get("cores"), _cpu_rows(meas, n)
+    if not cores or not others:
+        return float("inf")
+    per_byte = sum((x["readers"] * x["tensorhub_reader_cpu_s"] + x["tensorhub_publisher_cpu_s"])
+                   / (x["readers"] * nbytes) for x in others) / len(others)
+    return cores / per_byte
 
 
 def validate(path: Path, args: argparse.Namespace) -> list[dict]:
@@ -797,10 +817,15 @@ def validate(path: Path, args: argparse.Namespace) -> list[dict]:
         # (the testbed's readers name the version: no resolve call)
         sim = make_sim(a, cl, nbytes, chunks, fixed_calls=1, readers=readers, max_sources=4, report_s=0.05,
                        refresh_s=0.05).run()
+        cores = Cluster(nodes=n + 1, gpus_per_node=1, dcs=1, nic=rate * eff, nvlink=rate * eff, nodes_per_zone=64,
+                        cpu=cpu_rate(meas, n, nbytes))
+        with_cores = sim if cores.cpu == float("inf") else \
+            make_sim(a, cores, nbytes, chunks, fixed_calls=1, readers=readers, max_sources=4, report_s=0.05,
+                     refresh_s=0.05).run()
         single = Sim(cl, nbytes, chunks, readers=readers, policy="single-source", pipelined=False,
                      report_s=0.05, refresh_s=0.05).run()
         floor = cpu_floor(meas, n)
-        model = max(sim["seconds"], floor or 0.0)
+        model = with_cores["seconds"]
         rows.append({"readers": n, "measured_tensorhub": r["tensorhub"], "model_network": sim["seconds"],
                      "err_network": sim["seconds"] / r["tensorhub"] - 1, "cpu_floor": floor,
                      "model_tensorhub": model, "err_tensorhub": model / r["tensorhub"] - 1,

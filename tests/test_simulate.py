@@ -70,9 +70,10 @@ def test_validate_compares_the_model_with_a_testbed_run(tmp_path: Path):
     assert abs(rows[0]["err_single"]) < 0.05
 
 
-def test_cpu_floor_is_leave_one_out_and_bounds_the_model_from_below(tmp_path: Path):
-    """With the testbed's CPU per round in the file, a row's model is at least the CPU such a
-    round takes over the cores -- computed from the *other* rows, never from its own."""
+def test_the_cores_are_leave_one_out_and_slow_the_model_where_they_bind(tmp_path: Path):
+    """With the testbed's CPU per round in the file, the model gets the cores as one more link
+    every flow shares (the bytes per second they can move), and the floor they set -- both
+    computed from the *other* rows, never from the row modelled."""
     S = _sim()
     rows = [{"readers": n, "tensorhub": t, "single-source": 0.6 * n, "tensorhub_reader_cpu_s": c,
              "tensorhub_publisher_cpu_s": 0.1} for n, t, c in ((1, 0.6, 0.2), (2, 0.7, 0.3), (8, 5.0, 1.0))]
@@ -85,5 +86,9 @@ def test_cpu_floor_is_leave_one_out_and_bounds_the_model_from_below(tmp_path: Pa
     path.write_text(json.dumps(meas))
     args = argparse.Namespace(protocol="chunkmap", rtt_us=50.0, testbed_rtt_us=200.0, tick_ms=0.25)
     got = {r["readers"]: r for r in S.validate(path, args)}
-    assert got[2]["model_tensorhub"] == got[2]["cpu_floor"] > got[2]["model_network"]  # CPU-bound there
-    assert got[1]["model_tensorhub"] == got[1]["model_network"]  # one reader: the network's time
+    # N=2: the cores (one more link every flow shares) bind, about at the floor; N=1: the network
+    assert got[2]["model_tensorhub"] > 1.2 * got[2]["model_network"]
+    assert got[2]["model_tensorhub"] >= 0.95 * got[2]["cpu_floor"]
+    assert got[1]["model_tensorhub"] == got[1]["model_network"]
+    assert S.cpu_rate(meas, 8, 64 << 20) == 2 / ((2 * 0.3 + 0.1) / (2 * (64 << 20)))
+    assert S.cpu_rate(dict(meas, cores=None), 8, 1.0) == float("inf")
