@@ -120,6 +120,7 @@ class Registry:
         #: Replicas of dropped workers that leases still name, by replica id.
         self.tombstones: dict[str, Replica] = {}
         self._replicas_of_shard: dict[ShardKey, dict[str, None]] = {}
+        self._complete_of_shard: dict[ShardKey, dict[str, None]] = {}  # (chunks is None)
         self._replicas_of_worker: dict[str, dict[str, None]] = {}
         self._replicas_of_version: dict[tuple[str, int], dict[str, None]] = {}
         self._tombstones_of_version: dict[tuple[str, int], dict[str, None]] = {}
@@ -138,18 +139,38 @@ class Registry:
     def add_replica(self, r: Replica) -> None:
         self.replicas[r.replica_id] = r
         _add(self._replicas_of_shard, r.key, r.replica_id)
+        if r.chunks is None:
+            _add(self._complete_of_shard, r.key, r.replica_id)
         _add(self._replicas_of_worker, r.worker_id, r.replica_id)
         _add(self._replicas_of_version, (r.model, r.version), r.replica_id)
 
     def drop_replica(self, rid: str) -> Replica:
         r = self.replicas.pop(rid)
         _discard(self._replicas_of_shard, r.key, rid)
+        _discard(self._complete_of_shard, r.key, rid)
         _discard(self._replicas_of_worker, r.worker_id, rid)
         _discard(self._replicas_of_version, (r.model, r.version), rid)
         return r
 
+    def completed(self, r: Replica) -> None:
+        """A partial replica now holds all of its shard (its ``chunks`` were set to None)."""
+        if r.replica_id in self.replicas:
+            _add(self._complete_of_shard, r.key, r.replica_id)
+
     def replicas_of_shard(self, key: ShardKey) -> list[Replica]:
         return [self.replicas[rid] for rid in self._replicas_of_shard.get(key, ())]
+
+    def complete_of_shard(self, key: ShardKey) -> list[Replica]:
+        """The shard's complete replicas (not its readers' partial ones: a lease under a
+        plan needs these and its parents only, whatever the number of readers)."""
+        return [self.replicas[rid] for rid in self._complete_of_shard.get(key, ())]
+
+    def replica_of(self, worker_id: str, key: ShardKey) -> Iterator[Replica]:
+        """The replicas of ``key`` that ``worker_id`` holds (usually one)."""
+        for rid in self._replicas_of_worker.get(worker_id, ()):
+            r = self.replicas[rid]
+            if r.key == key:
+                yield r
 
     def replicas_of_worker(self, worker_id: str) -> list[Replica]:
         return [self.replicas[rid] for rid in self._replicas_of_worker.get(worker_id, ())]
@@ -217,6 +238,13 @@ class Registry:
 
     def leases_of_worker(self, worker_id: str) -> list[Lease]:
         return [self.leases[lid] for lid in self._leases_of_worker.get(worker_id, ())]
+
+    def shard_leases_of(self, worker_id: str, key: ShardKey) -> Iterator[Lease]:
+        """The leases of ``worker_id`` on ``key``."""
+        for lid in self._leases_of_worker.get(worker_id, ()):
+            l = self.leases[lid]
+            if l.key == key:
+                yield l
 
     def leases_naming(self, rids: Iterable[str]) -> Iterator[Lease]:
         """The leases naming any of ``rids`` (each once)."""

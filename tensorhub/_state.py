@@ -56,29 +56,22 @@ from __future__ import annotations
 import itertools
 import secrets
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 from . import _addresses
 from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
-from ._exceptions import (
-    ConflictError, InvalidRequestError, ManifestMismatchError, NotFoundError, RetentionError,
-)
-from ._planner import (
-    COST_DC, LEVELS, Candidate, Choice, choose_sources, chunk_order, claims, grid_chunk_bytes, group_key, locality_cost,
-    reserve_chunks, start_fraction, start_reverse,
-)
+from ._exceptions import ConflictError, ManifestMismatchError, NotFoundError, RetentionError
+from ._grants import Grants
 from ._registry import Lease, Registry, Replica, ShardKey, Worker
-from ._slices import SLICED
-from ._stripes import MIN_CHUNKS, NONE, STRIPES, WAN, Plan, plan_root, relayed, wan_root, wan_stripes
+from ._stripes import Plan
 from ._views import FETCH_STALE, metrics_view, record_fetch, status_view
+from ._planner import locality_cost
 from ._wire import (
-    AcquireLease,
     FetchReport,
     LeaseGrant,
     Locality,
     Manifest,
     RegisterReplica,
-    ReplicaInfo,
     SwapReport,
     is_delta_layout,
     manifest_digest,
@@ -87,12 +80,10 @@ from ._wire import (
 __all__ = ["StateConfig", "CoordinatorState", "Write", "ShardKey"]
 
 # Re-exported: the types the state is made of (tests and the shell name them here).
-_ = (ALLOCATIONS_KEPT, LayoutInfo, ModelInfo, VersionInfo, Lease, Replica, Worker)
+_ = (ALLOCATIONS_KEPT, LayoutInfo, ModelInfo, VersionInfo, Lease, Replica, Worker, locality_cost)
 
 #: Manifest digests kept (computed once per shard of a version; ~100 ms for 50,000 tensors).
 DIGESTS_KEPT = 256
-#: The empty chunk set (shared: most partial replicas report none, chunk maps never do).
-_NONE: frozenset = frozenset()
 #: Most versions one retention pass retires (the rest on the next tick).
 RETIRE_PER_TICK = 8
 
@@ -130,7 +121,7 @@ class StateConfig:
         return self.worker_ttl / 2 if self.pause_grace is None else self.pause_grace
 
 
-class CoordinatorState:
+class CoordinatorState(Grants):
     """The durable catalog, the soft registry, and the decisions over both; the HTTP
     shell holds one and a lock around it."""
 
@@ -160,6 +151,8 @@ class CoordinatorState:
         self._digests: dict[tuple, str] = {}
         #: (model, version, layout, shard) -> (its manifest, chunk bytes of its grid).
         self._grids: dict[tuple, tuple[Manifest, int]] = {}
+        #: shard key -> leases granted on it so far (``Grants._arrival``).
+        self._arrivals: dict[ShardKey, int] = {}
         #: Striped plans (``_stripes``): (shard key, datacenter or ``WAN``, root) -> plan, and
         #: (shard key, worker) -> the plan it is a member of.
         self.plans: dict[tuple, Plan] = {}
@@ -362,11 +355,12 @@ class CoordinatorState:
         self.catalog.add_manifest(req, self._check_partial if req.partial else None)
         complete = self.catalog.version(req.model, req.version).complete  # a delta layout alone: not
         key = ShardKey(req.model, req.version, req.layout, req.shard)
-        for r in self.registry.replicas_of_shard(key):  # idempotent re-registration (same memory)
-            if r.worker_id == req.worker_id and not r.draining and r.addresses == _addresses.stored(req):
-                if not req.partial:
+        for r in self.registry.replica_of(req.worker_id, key):  # idempotent re-registration (same memory)
+            if not r.draining and r.addresses == _addresses.stored(req):
+                if not req.partial and r.chunks is not None:
                     r.chunks, r.coming = None, set()  # a partial replica completed
                     r.status_addr = r.status_tag = None
+                    self.registry.completed(r)
                 return r.replica_id, complete
         rid = self._new_id("r")
         self.registry.add_replica(Replica(
@@ -523,298 +517,6 @@ class CoordinatorState:
         return r
 
     # ----------------------------------------------------------------- leases
-    def acquire_lease(self, now: float, req: AcquireLease) -> LeaseGrant:
-        """A reader asks to read (model, version, layout, shard). Asked again with the same
-        ``request_id`` while that lease is open, it answers the first grant again."""
-        now = self._now(now)
-        reader = self._worker(req.worker_id)
-        if req.request_id is not None and req.lease_id is None:
-            hit = self.lease_requests.get((req.worker_id, req.request_id))
-            if hit is not None and hit[0] in self.leases and self.leases[hit[0]].expires >= now:
-                return hit[1]
-        self._check_sliced(now, req)
-        li = self.catalog.layout(req.model, req.version, req.layout, req.shard)
-        excluded = set(req.exclude)
-        key = ShardKey(req.model, req.version, req.layout, req.shard)
-        refresh = self.leases.get(req.lease_id) if req.lease_id is not None else None
-        if refresh is not None and (refresh.worker_id != req.worker_id or refresh.expires < now
-                                    or refresh.key != key):
-            raise ConflictError(f"lease {req.lease_id} has lapsed or is not this reader's; read again",
-                                "lease_lapsed")
-        # Readers of this shard now (only a new lease needs them: they spread where
-        # concurrent readers start).
-        arrivals: Optional[set[str]] = None if refresh is not None else {
-            l.worker_id for l in self.registry.leases_of_shard(key)
-            if l.expires >= now and l.worker_id != req.worker_id
-        }
-        cands, by_id = [], {}
-        own: Optional[frozenset] = None
-        own_num = 0
-        partials: list[tuple[Replica, Worker]] = []  # other readers' partial replicas
-        workers, reg = self.workers, self.registry
-        for r in reg.replicas_of_shard(key):
-            partial, mine = r.chunks is not None, r.worker_id == req.worker_id
-            if mine:
-                if partial and r.status_addr is None:
-                    # (a chunk-map replica reports nothing: no reservations from its reports)
-                    own, own_num = frozenset(r.chunks | r.coming), r.num_chunks
-                continue
-            w = workers.get(r.worker_id)
-            if partial:
-                if arrivals is not None:
-                    arrivals.add(r.worker_id)
-                if req.pipelined and w is not None:
-                    partials.append((r, w))
-            if w is None or r.draining or r.suspect_until > now or r.replica_id in excluded:
-                continue
-            by_id[r.replica_id] = (r, w)
-            cands.append(Candidate(r.replica_id, r.worker_id, w.locality, reg.load(r.replica_id, now, refresh),
-                                   r.registered_at,
-                                   None if not partial else frozenset(r.chunks) if r.chunks else _NONE,
-                                   frozenset(r.coming) if partial and r.coming else _NONE))
-        skeys = {lvl: key + (lvl,) + group_key(reader.locality, lvl) for lvl in LEVELS}
-        seeders = {}
-        for lvl, skey in skeys.items():
-            who = self.seeders.get(skey, (None, 0.0))[0]
-            seeders[lvl] = (who, self._seeder_alive(now, who, key))
-        offered: Optional[tuple[Optional[str], str]] = None
-        planned = self._plan(now, req, key, reader, cands, by_id, refresh, seeders)
-        if planned is not None and refresh is None:
-            offered = self._serve_offer(now, req, li.num_shards)
-            if offered[0] is None:
-                planned = None  # (not serving: no member of a plan)
-            else:
-                planned[0].join(req.worker_id, offered[0], now, reader.locality.host)
-                self.plan_of[(key, req.worker_id)] = planned[1]
-        row: list[str] = []
-        again = 0.0
-        use: list[str] = []
-        if planned is not None:
-            plan, wan = planned[0], planned[1][1] == WAN
-
-            def bad(rid: str) -> bool:
-                return rid not in by_id or rid in excluded
-
-            row, again = plan.parents(req.worker_id, now, bad)
-            if wan:  # the root's stripes from its own datacenter's plan, where it has one
-                home = by_id[plan.root][1].locality.datacenter if plan.root in by_id else None
-                row = relayed(row, plan.root, self.plans.get((key, home, plan.root)), bad)
-            use = [x for x in dict.fromkeys(row) if x != NONE] or ([plan.root] if plan.root in by_id else [])
-        if use:
-            who = f"member {plan.order[req.worker_id] + 1}" if req.worker_id in plan.order else "late"
-            # (across datacenters the reader seeds its groups: the others of its datacenter
-            # read by a plan rooted at its partial replica)
-            seed = tuple(lvl for lvl in LEVELS if not seeders[lvl][1] or seeders[lvl][0] == req.worker_id) \
-                if wan else ()
-            choice = Choice(tuple((c, locality_cost(reader.locality, c.locality)) for c in cands if c.replica_id in use),
-                            seed, f"striped plan{' across datacenters' if wan else ''}, {who} of "
-                            f"{len(plan.members)}" + (" (forming)" if again else ""))
-        else:  # no plan, or nothing left to read by it: the usual choice
-            planned, row, again = None, [], 0.0
-            choice = choose_sources(reader.locality, req.worker_id, cands, max_sources=req.max_sources,
-                                    pipelined=req.pipelined, seeders=seeders, policy=self.config.policy, have=own)
-        if not choice.sources and not (req.pipelined and cands):
-            self._check_gone(now, key, req.worker_id)
-            raise ConflictError(
-                f"no replica of {req.model!r} v{req.version} layout {req.layout!r} shard {req.shard} "
-                "is serving now",
-                "no_replica",
-            )
-        for lvl in choice.seed_levels:
-            if seeders[lvl][0] != req.worker_id:
-                self.seeders[skeys[lvl]] = (req.worker_id, now)
-        chosen = [(cost, by_id[c.replica_id][0], by_id[c.replica_id][1]) for c, cost in choice.sources]
-        ids = tuple(r.replica_id for _, r, _ in chosen)
-        if refresh is not None:
-            lid, lease = refresh.lease_id, refresh
-            # Keep naming replicas an earlier answer sent it to: reads from them may still run.
-            self.registry.name_replicas(lease, ids)  # expiry: renew only
-        else:
-            lid = self._new_id("l")
-            assert arrivals is not None
-            lease = Lease(lid, req.worker_id, req.model, req.version, req.layout, req.shard, ids, now,
-                          now + self.config.lease_ttl, start_fraction(len(arrivals)), start_reverse(len(arrivals)))
-            self.registry.add_lease(lease)
-            for _, r, w in chosen:
-                r.served += 1
-                w.served_leases += 1
-        # A scarce complete source (the publisher, the slow link) is split between readers
-        # near each other, not raced for (_planner.claims / reserve_chunks).
-        def nearby() -> Iterator[tuple]:  # consumed only when a source is scarce (``claims``)
-            held_back: dict[str, frozenset] = {}
-            for l in reg.leases_of_shard(key):
-                if l.reserved and l is not lease and l.expires >= now:
-                    held_back[l.worker_id] = held_back.get(l.worker_id, _NONE) | l.reserved
-            for r, w in partials:
-                yield (locality_cost(reader.locality, w.locality), frozenset(r.coming) if r.coming else _NONE,
-                       held_back.get(r.worker_id, _NONE))
-
-        claimed = None if planned is not None else claims([(c, cost) for c, cost in choice.sources], nearby())
-        reserved: Optional[list[int]] = None
-        if claimed is not None and own is not None:
-            lease.reserved = reserve_chunks(chunk_order(own_num, lease.start, lease.reverse), own, claimed,
-                                            lease.reserved)
-            reserved = sorted(lease.reserved)
-        chunk_bytes = self._chunk_bytes(key, li.manifests[req.shard]) if req.pipelined else 0
-        partial_id, refused = offered if offered is not None else \
-            self._serve_offer(now, req, li.num_shards) if refresh is None else (None, "")
-        grant = LeaseGrant(
-            lease_id=lid,
-            model=req.model,
-            version=req.version,
-            layout=req.layout,
-            shard=req.shard,
-            num_shards=li.num_shards,
-            # Only clients that read manifests by version say so; older ones get it every time.
-            manifest=li.manifests[req.shard] if req.manifest else None,
-            # The registry's records, validated when registered: not again (~6 ms per 50,000 addresses).
-            replicas=[
-                ReplicaInfo.model_construct(
-                    replica_id=r.replica_id, worker_id=w.worker_id, endpoint=w.endpoint,
-                    locality=w.locality, cost=cost,
-                    **_addresses.answer(r.addresses, req.address_runs, li.manifests[req.shard]),
-                    chunks=None if r.chunks is None else sorted(r.chunks),
-                    coming=sorted(r.coming) if r.chunks is not None else [],
-                    status_addr=r.status_addr, status_tag=r.status_tag,
-                    num_chunks=r.num_chunks if r.chunks is not None else 0,
-                )
-                for cost, r, w in chosen
-            ],
-            ttl=self.config.lease_ttl,
-            chunk_bytes=chunk_bytes,
-            start=lease.start if req.pipelined else 0.0,
-            reverse=req.pipelined and lease.reverse,
-            claimed=sorted(claimed or ()),
-            reserved=reserved,
-            seed=choice.seed,
-            reason=choice.reason,
-            partial_replica_id=partial_id,
-            serve_refused=refused,
-            stripes=len(row),
-            stripe_sources=row,
-            refresh_after=max(0.0, again - now) if again else 0.0,
-        )
-        if req.request_id is not None and refresh is None:
-            self.lease_requests[(req.worker_id, req.request_id)] = (lid, grant)
-        return grant
-
-    def _chunk_bytes(self, key: ShardKey, man: Manifest) -> int:
-        """The shard's chunk grid (``grid_chunk_bytes`` of its size: a sum over every tensor,
-        so remembered per manifest rather than summed again for every lease)."""
-        hit = self._grids.get(key)
-        if hit is None or hit[0] is not man:
-            hit = self._grids[key] = (man, grid_chunk_bytes(man.nbytes))
-            while len(self._grids) > DIGESTS_KEPT:
-                self._grids.pop(next(iter(self._grids)))
-        return hit[1]
-
-    def _plan(self, now: float, req: AcquireLease, key: ShardKey, reader: Worker, cands: list, by_id: dict,
-              refresh: Optional[Lease], seeders: dict) -> Optional[tuple[Plan, tuple]]:
-        """The striped plan (``_stripes``) this reader reads by, and its key; None: the
-        usual choice. A new serving pipelined lease joins one where one source is scarce
-        (``_stripes.plan_root``); a refresh keeps the plan of its first grant."""
-        if refresh is not None:
-            pk = self.plan_of.get((key, req.worker_id))
-            return None if pk is None or pk not in self.plans else (self.plans[pk], pk)
-        o = req.serve
-        if not (req.pipelined and o is not None and self.config.plans and self.config.policy == "topology") \
-                or o.num_chunks < MIN_CHUNKS:
-            return None
-        who, alive = seeders.get(COST_DC, (None, False))
-        seeder_rid = None
-        if alive and who is not None and who != req.worker_id:
-            seeder_rid = next((rid for rid, (r, _) in by_id.items() if r.worker_id == who and r.chunks is not None),
-                              None)
-        root = plan_root(reader.locality, req.worker_id, cands, seeder_rid)
-        scope = reader.locality.datacenter
-        if root is None and not (alive and who not in (None, req.worker_id)):  # it seeds its datacenter
-            root, scope = wan_root(reader.locality, req.worker_id, cands), WAN
-        if root is None:
-            return None
-        pk = (key, scope, root)
-        plan = self.plans.get(pk)
-        if plan is None:
-            stripes = STRIPES
-            if scope == WAN:  # one stripe per datacenter that will seed (a scan once per version and shard)
-                home = next(c.locality.datacenter for c in cands if c.replica_id == root)
-                stripes = wan_stripes((w.locality.datacenter for w in self.workers.values()), home)
-                if stripes < 2:
-                    return None  # one datacenter to seed: nothing to stripe between (the usual choice)
-            plan = self.plans[pk] = Plan(root, stripes, now)
-        return plan, pk
-
-    def _serve_offer(self, now: float, req: AcquireLease, num_shards: int) -> tuple[Optional[str], str]:
-        """Register the partial replica a new pipelined lease offers (``req.serve``):
-        (its id, "") or (None, why it was refused); the lease stands either way."""
-        o = req.serve
-        if o is None or not req.pipelined:
-            return None, ""
-        try:
-            # Built from fields already validated (the lease request and its offer, the same
-            # constraints): not validated again, which for 50,000 addresses is ~6 ms a lease.
-            rid, _ = self.register_replica(now, RegisterReplica.model_construct(
-                worker_id=req.worker_id, model=req.model, version=req.version, layout=req.layout, shard=req.shard,
-                num_shards=num_shards, manifest=None, manifest_digest=o.manifest_digest, addresses=o.addresses,
-                address_runs=o.address_runs,
-                partial=True, chunk_bytes=o.chunk_bytes, num_chunks=o.num_chunks, status_addr=o.status_addr,
-                status_tag=o.status_tag, release=[]))
-            return rid, ""
-        except (ConflictError, NotFoundError, InvalidRequestError) as e:
-            return None, e.message
-
-    def _check_sliced(self, now: float, req: AcquireLease) -> None:
-        """A reader of ``hf`` whose version was published sliced (``_slices``) and that no
-        assembled ``hf`` replica serves now is told to read the slices (``read_slices``):
-        it assembles the full tensors from the ranks' shards itself."""
-        if req.layout != "hf" or req.shard != 0:
-            return
-        vi = self.catalog.version(req.model, req.version)
-        sliced = vi.layouts.get(SLICED)
-        if sliced is None or not sliced.complete:
-            return
-        if "hf" in vi.layouts:
-            for r in self.registry.replicas_of_shard(ShardKey(req.model, req.version, "hf", 0)):
-                if not r.draining and r.suspect_until <= now and r.worker_id != req.worker_id \
-                        and r.worker_id in self.workers and r.replica_id not in req.exclude:
-                    return  # an assembled copy serves: read it like any hf replica
-        raise ConflictError(f"{req.model!r} v{req.version} was published as slices ({sliced.num_shards} "
-                            f"shards of layout {SLICED!r}); read them and assemble the full tensors",
-                            "read_slices")
-
-    def _check_gone(self, now: float, key: ShardKey, reader: str) -> None:
-        """Raise ``version_gone`` when nobody serves the shard and nobody can again
-        (invariant 11): it is not the newest complete version, no replica of it (complete,
-        partial, draining, suspect or fenced) is left, no other reader holds a lease on it
-        (a plain reader registers its copy after reading), and re-registration after a
-        restart (within ``worker_ttl`` of boot) is over."""
-        model, version = key.model, key.version
-        newest = self.latest(model)
-        if newest is None or version >= newest:
-            return
-        if self.restored and now <= self.boot_time + self.config.worker_ttl:
-            return
-        if any(r.worker_id != reader for r in itertools.chain(self.registry.replicas_of_shard(key),
-                                                              self.registry.tombstones_of_shard(key))):
-            return  # (the reader's own partial replica holds nothing it could read)
-        if any(l.expires >= now and l.worker_id != reader for l in self.registry.leases_of_shard(key)):
-            return
-        raise ConflictError(
-            f"{model!r} v{version} (layout {key.layout!r} shard {key.shard}) is no longer held by anyone and "
-            f"cannot come back (it is not the newest); the newest complete version is v{newest}",
-            "version_gone",
-        )
-
-    def _seeder_alive(self, now: float, seeder: Optional[str], key: ShardKey) -> bool:
-        """Does the seeder named for a datacenter still count: a live worker holding a
-        serving replica (partial or complete) of the shard, or (before it registered its
-        partial replica) still holding a lease on the shard."""
-        if seeder is None or seeder not in self.workers:
-            return False
-        for r in self.registry.replicas_of_shard(key):
-            if r.worker_id == seeder:
-                return not r.draining and r.suspect_until <= now
-        return any(l.worker_id == seeder and l.expires >= now for l in self.registry.leases_of_shard(key))
-
     def renew_lease(self, now: float, lease_id: str) -> float:
         """Extend a still-valid lease by ``lease_ttl``; a lapsed one cannot be renewed."""
         now = self._now(now)

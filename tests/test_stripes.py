@@ -410,3 +410,37 @@ def test_coordinator_replaces_a_failed_seeder_across_datacenters_by_a_relay():
     r = _lease(st, v, man, 2, 1.1, lease_id=first[2].lease_id, exclude=[rid[1]])
     assert r.stripe_sources[0] in {rid[k] for k in range(0, n, 4)}, r.stripe_sources
     assert rid[1] not in r.stripe_sources and pub not in r.stripe_sources and NONE not in r.stripe_sources
+
+
+def test_plan_members_leases_do_not_scan_the_shard(monkeypatch):
+    """Issue 13: a serving lease under a plan, and its refresh, look the complete replicas,
+    the seeder and the parents up by id -- they never walk the shard's replicas or leases,
+    whose number grows with the readers (1,024 partial replicas at 1,024 readers). Same
+    grants as before: the layout's parents."""
+    from tensorhub._registry import Registry
+
+    n = 64
+    st, v, man = _state_with_version(n)
+    scans = collections.Counter()
+    for name in ("replicas_of_shard", "leases_of_shard"):
+        orig = getattr(Registry, name)
+
+        def counted(self, key, _orig=orig, _name=name):
+            scans[_name] += 1
+            return _orig(self, key)
+
+        monkeypatch.setattr(Registry, name, counted)
+    first = [_lease(st, v, man, k, 0.0005 * k) for k in range(n)]
+    assert all(g.stripes == STRIPES for g in first)
+    later = [_lease(st, v, man, k, 1.0, lease_id=g.lease_id) for k, g in enumerate(first)]
+    assert not scans, scans
+    pub = first[0].replicas[0].replica_id
+    ids = {k: g.partial_replica_id for k, g in enumerate(first)}
+    lay = layout(n, STRIPES)
+    assert [g.stripe_sources for g in later] == [[pub if q < 0 else ids[q] for q in lay[k]] for k in range(n)]
+    # off a plan (a reader that does not serve) the usual choice still sees every replica
+    from tensorhub._wire import AcquireLease
+
+    st.register_worker(1.0, "plain", "plain:1", first[0].replicas[0].locality)
+    st.acquire_lease(1.0, AcquireLease(worker_id="plain", model="m", version=v, pipelined=True))
+    assert scans["replicas_of_shard"] == 1
