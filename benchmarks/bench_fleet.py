@@ -135,6 +135,9 @@ class Phase:
     idle_cpu_rate: float = 0.0  # coordinator cores with heartbeats only, just before the phase
     manifest_bytes: int = 0
     chunk_bytes: int = 0
+    #: A reader's addresses as runs at address 0 (``_addresses.encode`` of the Hub's layout;
+    #: each reader shifts them to its own base), or None: plain lists, one per tensor.
+    runs0: Optional[dict] = None
 
 
 class _Fleet:
@@ -271,11 +274,17 @@ class _Fleet:
         n = ph.chunks
         chunk_bytes = ph.chunk_bytes
         base = (1 << 44) + (int(wid.rsplit("-", 1)[1]) << 32)
-        offer = {"manifest_digest": digest, "addresses": [base + k * (1 << 20) for k in range(tensors)],
+        if ph.runs0 is not None:  # as the Hub sends its copy's addresses: runs (``AddressRuns``)
+            where: dict = {"address_runs": {"align": ph.runs0["align"],
+                                            "runs": [[a + base, c] for a, c in ph.runs0["runs"]]}}
+        else:
+            where = {"addresses": [base + k * (1 << 20) for k in range(tensors)]}
+        offer = {"manifest_digest": digest, **where,
                  "chunk_bytes": chunk_bytes, "num_chunks": n, "status_addr": base - 4096,
                  "status_tag": self.rng.getrandbits(63) | 1}
         lease_body = {"worker_id": wid, "model": m, "version": v, "layout": "hf", "shard": 0, "max_sources": 4,
-                      "exclude": [], "pipelined": True, "lease_id": None, "manifest": False}
+                      "exclude": [], "pipelined": True, "lease_id": None, "manifest": False,
+                      "address_runs": ph.runs0 is not None}
         delay = 0.05
         while True:
             st, g = await self.call("POST leases (new, serving)", "POST", "/v1/leases",
@@ -338,7 +347,7 @@ class _Fleet:
                 await asyncio.sleep(tick)
         st, rr = await self.call("POST replicas (complete + release)", "POST", "/v1/replicas", {
             "worker_id": wid, "model": m, "version": v, "layout": "hf", "shard": 0, "num_shards": 1,
-            "manifest_digest": digest, "addresses": offer["addresses"], "release": [cur]})
+            "manifest_digest": digest, **where, "release": [cur]})
         seconds = loop.time() - t0
         self.beats.setdefault(wid, []).append(
             _fetch_report(wid, m, v, "ok", n * chunk_bytes, n * chunk_bytes, seconds))
@@ -522,7 +531,9 @@ def _fetch_report(wid: str, model: str, v: int, state: str, nbytes: int, total: 
 
 async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensors: int, chunks: tuple[int, int],
                        history: tuple[int, int], history_tensors: int, heartbeat: float, link_gbps: float,
-                       connections: int, idle_seconds: float, seed: int, protocol: str = "chunkmap") -> dict:
+                       connections: int, idle_seconds: float, seed: int, protocol: str = "chunkmap",
+                       runs: bool = True) -> dict:
+    from tensorhub._addresses import encode
     from tensorhub._grid import grid_chunk_bytes
     from tensorhub._wire import Manifest, manifest_digest
 
@@ -552,7 +563,15 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
             addrs_json = json.dumps([(1 << 40) + k * (1 << 28) for k in range(tensors)]).encode()
             ph.manifest_bytes = len(man_json)
             ph.chunk_bytes = grid_chunk_bytes(sum(t["nbytes"] for t in man["tensors"]))
-            digest = manifest_digest(Manifest.model_validate(man))
+            manifest = Manifest.model_validate(man)
+            digest = manifest_digest(manifest)
+            if runs and protocol == "chunkmap":  # the Hub's layout: in order, 64-byte aligned
+                offs, off = [], 0
+                for t in man["tensors"]:
+                    offs.append(off)
+                    off += -(-t["nbytes"] // 64) * 64
+                enc = encode(offs, manifest)
+                ph.runs0 = None if enc is None else enc.model_dump(mode="json")
             fl.have.clear()
             ph.version = await fl.publish(model, trainer, man_json, addrs_json)
             published += 1
@@ -582,7 +601,7 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
         alive = (await _Pool(url, 1).request("GET", "/v1/info"))[0] == 200
     except Exception:
         alive = False
-    out: dict = {"protocol": protocol, "workers": len(ids), "readers": readers, "tensors": tensors, "heartbeat_interval": heartbeat,
+    out: dict = {"protocol": protocol, "addresses": "runs" if runs and protocol == "chunkmap" else "plain", "workers": len(ids), "readers": readers, "tensors": tensors, "heartbeat_interval": heartbeat,
                  "link_gbps": link_gbps, "history_tensors": history_tensors, "alive_after": alive,
                  "setup_seconds": round(time.perf_counter() - t_setup, 1), "setup_errors": fl.setup_errors,
                  "expired": fl.expired, "heartbeats_skipped": fl.hb_skipped,
@@ -617,12 +636,14 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
 def run_fleet(*, workers: int = 10_000, readers: int = 1024, tensors: int = 50_000, chunks: tuple[int, int] = (256, 1024),
               history: tuple[int, int] = (10, 1000), history_tensors: int = 16, heartbeat: float = 2.0,
               link_gbps: float = 25.0, connections: int = 32, idle_seconds: float = 2.0, seed: int = 0,
-              protocol: str = "chunkmap") -> dict:
+              protocol: str = "chunkmap", runs: bool = True) -> dict:
     """Fleet mode (see the section's comment): start a coordinator that keeps every
-    version, drive the three phases, stop it; return the figures."""
+    version, drive the three phases, stop it; return the figures. ``runs``: readers send
+    their copies' addresses as runs and ask for runs in lease answers, as the Hub does
+    (False: one address per tensor, as clients before ``AddressRuns``)."""
     kw = dict(workers=workers, readers=readers, tensors=tensors, chunks=chunks, history=history,
               history_tensors=history_tensors, heartbeat=heartbeat, link_gbps=link_gbps,
-              connections=connections, idle_seconds=idle_seconds, seed=seed, protocol=protocol)
+              connections=connections, idle_seconds=idle_seconds, seed=seed, protocol=protocol, runs=runs)
     keep = str(max(history) + 16)
     with tempfile.TemporaryDirectory(prefix="th-fleet-") as tmp:
         coord = CoordinatorProc(Path(tmp) / "state", worker_ttl=max(10.0, 5 * heartbeat),
@@ -645,7 +666,7 @@ def report_fleet(out: dict) -> str:
     b, c, h = ph["base"], ph["chunks"], ph["history"]
     cols = [f"base C={b['chunks']} H={b['history']}", f"C={c['chunks']}", f"H={h['history']}"]
     lines = [
-        f"fleet ({out['protocol']} protocol): {out['workers']} workers heart-beating every {out['heartbeat_interval']} s, {out['readers']} pipelined "
+        f"fleet ({out['protocol']} protocol, addresses {out.get('addresses', 'plain')}): {out['workers']} workers heart-beating every {out['heartbeat_interval']} s, {out['readers']} pipelined "
         f"readers per version, {out['tensors']} tensors, link {out['link_gbps']} GB/s per reader, "
         f"--keep-versions {out['keep_versions']} (older versions' manifests: {out['history_tensors']} tensors)",
         f"{'figure':<34} {cols[0]:>18} {cols[1]:>12} {'x base':>7} {cols[2]:>12} {'x base':>7}  target",
@@ -722,13 +743,15 @@ def add_arguments(p: argparse.ArgumentParser, workers_default: int = 10_000) -> 
     f.add_argument("--link-gbps", type=float, default=25.0, help="each reader's simulated link, GB/s")
     f.add_argument("--protocol", choices=("chunkmap", "reports"), default="chunkmap",
                    help="chunkmap: the Hub now; reports: the protocol before chunk maps")
+    f.add_argument("--addresses", choices=("runs", "plain"), default="runs",
+                   help="chunkmap readers' addresses: runs, as the Hub sends them (default), or plain lists")
 
 
 def run_main(a: argparse.Namespace, workers: Optional[int] = None) -> int:
     out = run_fleet(workers=a.workers if workers is None else workers, readers=a.readers, tensors=a.fleet_tensors,
                     chunks=tuple(a.chunks), history=tuple(a.history), history_tensors=a.history_tensors,
                     heartbeat=a.heartbeat, link_gbps=a.link_gbps, connections=max(a.connections, 32), seed=a.seed,
-                    protocol=a.protocol)
+                    protocol=a.protocol, runs=a.addresses == "runs")
     print(report_fleet(out))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
