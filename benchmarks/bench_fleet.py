@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import random
 import secrets
@@ -158,7 +159,10 @@ class _Fleet:
         #: Fetch reports waiting for their worker's next heartbeat (chunkmap protocol).
         self.beats: dict[str, list[dict]] = {}
         #: Chunks each simulated reader holds (what its chunk map says), by worker.
-        self.have: dict[str, set[int]] = {}
+        #: chunkmap readers: the chunks each holds, as a bitmask (bit c: chunk c) -- its chunk
+        #: map, which the others read (an int: a union of four sources is one OR, not four
+        #: 1,024-element set unions per reader per tick, which left the generator late)
+        self.have: dict[str, int] = {}
         self.protocol = "chunkmap"
 
     async def call(self, route: str, method: str, path: str, body: Optional[dict] = None, *,
@@ -300,7 +304,9 @@ class _Fleet:
         if not g.get("partial_replica_id"):
             self._error("POST leases (new, serving)", f"partial replica refused: {g.get('serve_refused')}")
         order = chunk_order(n, float(g.get("start", 0.0)), bool(g.get("reverse", False)))
-        done = self.have.setdefault(wid, set())
+        self.have.setdefault(wid, 0)
+        full = (1 << n) - 1
+        pending = collections.deque(order)  # its order, less a prefix of chunks it holds
         receiving: list[int] = []
         sources = g["replicas"]
         refreshed = False
@@ -308,19 +314,19 @@ class _Fleet:
         last_renew, next_progress = now, t0 + PROGRESS
         credit, last_tick, tick = 0.0, now, REFRESH / 2
 
-        def readable() -> set[int]:
-            out: set[int] = set()
+        def readable() -> int:
+            out = 0
             for s in sources:
                 if s.get("status_addr") is not None:  # its chunk map, read from the source
-                    out |= self.have.get(s["worker_id"], set())
+                    out |= self.have.get(s["worker_id"], 0)
                 elif s.get("chunks") is None:
-                    out = set(range(n))
-                    break
+                    return full & ~self.have[wid]
                 else:
-                    out.update(s["chunks"])
-            return out - done
+                    for c in s["chunks"]:
+                        out |= 1 << c
+            return out & ~self.have[wid]
 
-        while len(done) < n:
+        while self.have[wid] != full:
             now = loop.time()
             if now - t0 > 600:
                 self._error("fetch", "timed out")
@@ -328,9 +334,13 @@ class _Fleet:
             can = readable()
             credit = min(credit + (now - last_tick) * link_bps, link_bps) if receiving else 0.0
             last_tick = now
-            moved, credit = _move(order, can, receiving, DEPTH * max(1, len(sources)), credit, chunk_bytes)
-            done.update(moved)  # marked in its own chunk map: others see it at once
-            if not refreshed and now - t0 >= FIRST_REFRESH and len(done) < n:
+            moved, credit = _move_bits(pending, can, receiving, DEPTH * max(1, len(sources)), credit, chunk_bytes)
+            for c in moved:  # marked in its own chunk map: others see it at once
+                self.have[wid] |= 1 << c
+            while pending and self.have[wid] >> pending[0] & 1:
+                pending.popleft()
+            done = self.have[wid].bit_count()
+            if not refreshed and now - t0 >= FIRST_REFRESH and done < n:
                 refreshed = True  # ``PipelinedReader.max_refreshes``: one
                 st, g2 = await self.call("POST leases (refresh)", "POST", "/v1/leases",
                                          dict(lease_body, lease_id=cur), lat=ph.lease)
@@ -342,8 +352,8 @@ class _Fleet:
             if now >= next_progress:  # rides on the next heartbeat
                 next_progress = now + PROGRESS
                 self.beats.setdefault(wid, []).append(_fetch_report(
-                    wid, m, v, "running", len(done) * chunk_bytes, n * chunk_bytes, now - t0))
-            if len(done) < n:
+                    wid, m, v, "running", done * chunk_bytes, n * chunk_bytes, now - t0))
+            if done < n:
                 await asyncio.sleep(tick)
         st, rr = await self.call("POST replicas (complete + release)", "POST", "/v1/replicas", {
             "worker_id": wid, "model": m, "version": v, "layout": "hf", "shard": 0, "num_shards": 1,
@@ -514,6 +524,26 @@ def _move(order: list[int], can: set[int], receiving: list[int], slots: int, cre
         c = receiving.pop(0)
         credit -= chunk_bytes
         can.discard(c)
+        moved.append(c)
+    return moved, credit
+
+
+def _move_bits(order: "collections.deque[int]", can: int, receiving: list[int], slots: int, credit: float,
+               chunk_bytes: int) -> tuple[list[int], float]:
+    """:func:`_move` with ``can`` a bitmask (bit c: chunk c may be read now)."""
+    moved: list[int] = []
+    while True:
+        if len(receiving) < slots:
+            for c in order:
+                if can >> c & 1 and c not in receiving:
+                    receiving.append(c)
+                    if len(receiving) >= slots:
+                        break
+        if not receiving or credit < chunk_bytes:
+            break
+        c = receiving.pop(0)
+        credit -= chunk_bytes
+        can &= ~(1 << c)
         moved.append(c)
     return moved, credit
 
