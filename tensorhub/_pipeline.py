@@ -189,10 +189,6 @@ class PipelinedReader(ShardReader):
 
     def _pick(self, src: Source, need, sources, inflight, now: float) -> Optional[int]:
         """A chunk ``src`` holds, rarest first (``_planner.pick_chunk``)."""
-        others = [self.held(o) for o in sources if o is not src]
-        coming = self.claimed.union(*(getattr(o, "coming", frozenset()) for o in sources),
-                                    *(self.map_coming.get(o.replica_id, frozenset()) for o in sources))
-        order = need
         have = self.held(src)
         stalled = not inflight and now - self._last_progress > self.claim_patience
         if self.plan is not None and not stalled:  # each stripe from its parent first
@@ -201,8 +197,15 @@ class PipelinedReader(ShardReader):
             if c is None and have is not None and self.spill:
                 # A member (never the root) with nothing new of its stripes: what it holds of
                 # the others, rarest first -- a link the plan left idle is used, not waited on.
-                c = pick_chunk(self._spillable(need, sources), have, others, set())
+                spill = self._spillable(need, sources)
+                if spill:
+                    c = pick_chunk(spill, have, [self.held(o) for o in sources if o is not src], set())
             return c
+        # (off a plan, or stalled: what the other sources hold and are receiving counts)
+        others = [self.held(o) for o in sources if o is not src]
+        coming = self.claimed.union(*(getattr(o, "coming", frozenset()) for o in sources),
+                                    *(self.map_coming.get(o.replica_id, frozenset()) for o in sources))
+        order = need
         if stalled:
             coming = frozenset()  # stalled: do not wait on others' promises any longer
         elif have is None and self.reserved is not None:
