@@ -57,6 +57,10 @@ def _rank_main(rank: int, world: int, init: str, url: str, kind: str, seed: int,
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # ``collect``'s timeout: where each thread waits
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -143,7 +147,19 @@ class ShardedTrainer:
                     raise RuntimeError(f"ranks {dead} exited (codes {[self.ctx.processes[r].exitcode for r in dead]}) "
                                        f"before answering {what!r}") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(want - set(got))} did not answer {what!r} in {timeout}s") from None
+                    import signal
+
+                    stuck = sorted(want - set(got))
+                    for r in stuck:  # their threads' stacks to stderr (the test's captured output)
+                        pid = self.ctx.processes[r].pid
+                        if pid is not None:
+                            try:
+                                os.kill(pid, signal.SIGUSR1)
+                            except ProcessLookupError:
+                                pass
+                    time.sleep(1.0)
+                    raise TimeoutError(f"ranks {stuck} did not answer {what!r} in {timeout}s (their stacks: "
+                                       "stderr)") from None
                 continue
             if kind == "error":
                 raise RuntimeError(f"rank {rank}: {val}")
