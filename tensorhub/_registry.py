@@ -107,6 +107,11 @@ def _discard(index: dict, key, item) -> None:
             del index[key]
 
 
+def _on_shard(table: dict, ids: Iterable[str], key: ShardKey) -> Iterator:
+    """The records of ``table`` named by ``ids`` (one worker's index) that are of ``key``."""
+    return (x for x in map(table.__getitem__, ids) if x.key == key)
+
+
 class Registry:
     """Workers, replicas, leases and tombstones, with their indexes.
 
@@ -167,10 +172,7 @@ class Registry:
 
     def replica_of(self, worker_id: str, key: ShardKey) -> Iterator[Replica]:
         """The replicas of ``key`` that ``worker_id`` holds (usually one)."""
-        for rid in self._replicas_of_worker.get(worker_id, ()):
-            r = self.replicas[rid]
-            if r.key == key:
-                yield r
+        return _on_shard(self.replicas, self._replicas_of_worker.get(worker_id, ()), key)
 
     def replicas_of_worker(self, worker_id: str) -> list[Replica]:
         return [self.replicas[rid] for rid in self._replicas_of_worker.get(worker_id, ())]
@@ -241,10 +243,7 @@ class Registry:
 
     def shard_leases_of(self, worker_id: str, key: ShardKey) -> Iterator[Lease]:
         """The leases of ``worker_id`` on ``key``."""
-        for lid in self._leases_of_worker.get(worker_id, ()):
-            l = self.leases[lid]
-            if l.key == key:
-                yield l
+        return _on_shard(self.leases, self._leases_of_worker.get(worker_id, ()), key)
 
     def leases_naming(self, rids: Iterable[str]) -> Iterator[Lease]:
         """The leases naming any of ``rids`` (each once)."""

@@ -61,11 +61,11 @@ from typing import Iterable, Optional
 from . import _addresses
 from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
 from ._exceptions import ConflictError, ManifestMismatchError, NotFoundError, RetentionError
-from ._grants import Grants
+from ._grants import KEPT, Grants
+from ._planner import locality_cost
 from ._registry import Lease, Registry, Replica, ShardKey, Worker
 from ._stripes import Plan
 from ._views import FETCH_STALE, metrics_view, record_fetch, status_view
-from ._planner import locality_cost
 from ._wire import (
     FetchReport,
     LeaseGrant,
@@ -82,8 +82,9 @@ __all__ = ["StateConfig", "CoordinatorState", "Write", "ShardKey"]
 # Re-exported: the types the state is made of (tests and the shell name them here).
 _ = (ALLOCATIONS_KEPT, LayoutInfo, ModelInfo, VersionInfo, Lease, Replica, Worker, locality_cost)
 
-#: Manifest digests kept (computed once per shard of a version; ~100 ms for 50,000 tensors).
-DIGESTS_KEPT = 256
+#: Manifest digests kept (computed once per shard of a version; ~100 ms for 50,000 tensors):
+#: as many shards as the other per-shard memos (``_grants.KEPT``).
+DIGESTS_KEPT = KEPT
 #: Most versions one retention pass retires (the rest on the next tick).
 RETIRE_PER_TICK = 8
 
