@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import random
 import secrets
@@ -127,6 +126,9 @@ class Phase:
     errors: dict[str, int] = field(default_factory=dict)  # route: what -> count
     heartbeat: list[float] = field(default_factory=list)
     lease: list[float] = field(default_factory=list)
+    #: How late this generator's heartbeat loop was (seconds) at each heartbeat it sent: its
+    #: own event loop's lag, which every latency measured here includes.
+    late: list[float] = field(default_factory=list)
     completed: int = 0
     fetch_seconds: list[float] = field(default_factory=list)
     seconds: float = 0.0
@@ -248,6 +250,7 @@ class _Fleet:
             while start + i * period <= now:
                 if self.phase is not None:
                     late.append(now - (start + i * period))
+                    self.phase.late.append(late[-1])
                 if len(pending) < 4096:
                     t = asyncio.ensure_future(beat(i % len(ids)))
                     pending.add(t)
@@ -264,8 +267,6 @@ class _Fleet:
                      link_bps: float, digest: str, tensors: int) -> None:
         if self.protocol == "reports":
             return await self.reader_reports(wid, model, ph, man_json, addrs_json, link_bps)
-        from tensorhub._planner import chunk_order
-
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         m = model
@@ -303,11 +304,10 @@ class _Fleet:
         cur = g["lease_id"]
         if not g.get("partial_replica_id"):
             self._error("POST leases (new, serving)", f"partial replica refused: {g.get('serve_refused')}")
-        order = chunk_order(n, float(g.get("start", 0.0)), bool(g.get("reverse", False)))
+        # its order: ``chunk_order(n, start, reverse)``, a rotation from s
+        s0, rev = int(float(g.get("start", 0.0)) * n) % max(1, n), bool(g.get("reverse", False))
         self.have.setdefault(wid, 0)
         full = (1 << n) - 1
-        pending = collections.deque(order)  # its order, less a prefix of chunks it holds
-        rank = {c: k for k, c in enumerate(order)}
         receiving: list[int] = []
         sources = g["replicas"]
         refreshed = False
@@ -335,11 +335,9 @@ class _Fleet:
             can = readable()
             credit = min(credit + (now - last_tick) * link_bps, link_bps) if receiving else 0.0
             last_tick = now
-            moved, credit = _move_bits(pending, rank, can, receiving, DEPTH * max(1, len(sources)), credit, chunk_bytes)
+            moved, credit = _move_bits(n, s0, rev, can, receiving, DEPTH * max(1, len(sources)), credit, chunk_bytes)
             for c in moved:  # marked in its own chunk map: others see it at once
                 self.have[wid] |= 1 << c
-            while pending and self.have[wid] >> pending[0] & 1:
-                pending.popleft()
             done = self.have[wid].bit_count()
             if not refreshed and now - t0 >= FIRST_REFRESH and done < n:
                 refreshed = True  # ``PipelinedReader.max_refreshes``: one
@@ -529,30 +527,38 @@ def _move(order: list[int], can: set[int], receiving: list[int], slots: int, cre
     return moved, credit
 
 
-def _move_bits(order: "collections.deque[int]", rank: dict[int, int], can: int, receiving: list[int], slots: int,
+def _in_order(mask: int, n: int, s: int, reverse: bool, k: int) -> list[int]:
+    """The first ``k`` chunks of ``mask`` (bit c: chunk c) in ``chunk_order(n, s / n, reverse)``
+    (a rotation of 0..n-1 starting at ``s``, downwards when ``reverse``), by bit operations on
+    the two halves of the rotation: no per-chunk scan of the order (a scan with a shift of a
+    1,024-bit int per chunk was most of the generator and left its event loop seconds late)."""
+    out: list[int] = []
+    if reverse:  # s, s-1, .., 0, then n-1, .., s+1: highest bits first
+        for part in (mask & ((1 << (s + 1)) - 1), mask >> (s + 1) << (s + 1)):
+            while part and len(out) < k:
+                c = part.bit_length() - 1
+                out.append(c)
+                part ^= 1 << c
+    else:  # s, .., n-1, then 0, .., s-1: lowest bits first
+        for part in (mask >> s << s, mask & ((1 << s) - 1)):
+            while part and len(out) < k:
+                low = part & -part
+                out.append(low.bit_length() - 1)
+                part ^= low
+    return out
+
+
+def _move_bits(n: int, s: int, reverse: bool, can: int, receiving: list[int], slots: int,
                credit: float, chunk_bytes: int) -> tuple[list[int], float]:
-    """:func:`_move` with ``can`` a bitmask (bit c: chunk c may be read now); ``rank``: each
-    chunk's place in the reader's whole order (a few readable chunks are taken by it, not by
-    a scan of the order: a shift of a 1,024-bit int per chunk was most of the generator)."""
+    """:func:`_move` with ``can`` a bitmask (bit c: chunk c may be read now) and the order a
+    rotation (``chunk_order``): the next chunks come from :func:`_in_order`."""
     moved: list[int] = []
     while True:
         if len(receiving) < slots:
             cand = can
             for c in receiving:
                 cand &= ~(1 << c)
-            if cand.bit_count() <= 64:  # few readable: take them by rank, not by a scan of the order
-                bits = []
-                while cand:
-                    low = cand & -cand
-                    bits.append(low.bit_length() - 1)
-                    cand ^= low
-                receiving += sorted(bits, key=rank.__getitem__)[: slots - len(receiving)]
-            else:
-                for c in order:
-                    if can >> c & 1 and c not in receiving:
-                        receiving.append(c)
-                        if len(receiving) >= slots:
-                            break
+            receiving += _in_order(cand, n, s, reverse, slots - len(receiving))
         if not receiving or credit < chunk_bytes:
             break
         c = receiving.pop(0)
@@ -663,6 +669,7 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
             "errors": ph.errors, "heartbeats": len(ph.heartbeat), "leases": len(ph.lease),
             "heartbeat_ms": {q: round(_pct(ph.heartbeat, x) * 1e3, 2) for q, x in (("p50", 0.5), ("p99", 0.99))}
             | {"max": round(max(ph.heartbeat, default=float("nan")) * 1e3, 2)},
+            "generator_late_ms": {q: round(_pct(ph.late, x) * 1e3, 2) for q, x in (("p50", 0.5), ("p99", 0.99))},
             "lease_ms": {q: round(_pct(ph.lease, x) * 1e3, 2) for q, x in (("p50", 0.5), ("p99", 0.99))}
             | {"max": round(max(ph.lease, default=float("nan")) * 1e3, 2)},
             "coordinator_cpu_s": round(ph.cpu, 2), "idle_cores": round(ph.idle_cpu_rate, 3),
@@ -746,6 +753,7 @@ def report_fleet(out: dict) -> str:
     row("coordinator CPU ms per request", lambda p: p["cpu_ms_per_request"], fmt="{:.3f}")
     row("coordinator cores busy", lambda p: p["coordinator_cores"])
     row("generator cores busy (this proc.)", lambda p: p["generator_cores"])
+    row("generator lateness p99 ms", lambda p: p["generator_late_ms"]["p99"])
     row("machine cores busy (all)", lambda p: p["machine_cores"])
     row("manifest MB (JSON)", lambda p: p["manifest_mb"])
     row("phase seconds", lambda p: p["seconds"])

@@ -80,6 +80,25 @@ def test_fleet_mode_bookkeeping():
     assert all(p["calls"]["POST chunks"] >= 4 for p in old["phases"].values())
 
 
+def test_fleet_readers_take_chunks_in_their_order():
+    """The simulated readers' chunk choice by bit operations (``_in_order``) is the first
+    readable chunks of ``chunk_order`` (forward and reverse, every start), as a scan would."""
+    import random
+
+    from tensorhub._planner import chunk_order
+
+    bench = _fleet()
+    rng = random.Random(7)
+    for n in (1, 2, 5, 64, 257):
+        for _ in range(40):
+            start, rev = rng.random(), rng.random() < 0.5
+            s = int(start * n) % n
+            mask = rng.getrandbits(n) & rng.getrandbits(n) if rng.random() < 0.5 else rng.getrandbits(n)
+            k = rng.randint(1, 10)
+            want = [c for c in chunk_order(n, start, rev) if mask >> c & 1][:k]
+            assert bench._in_order(mask, n, s, rev, k) == want, (n, start, rev, mask, k)
+
+
 def test_bench_load_fleet_flag_runs_bench_fleet(capfd):
     """``bench_load.py --fleet`` keeps working (it runs bench_fleet.py in a process of its own)."""
     bench = _bench()
