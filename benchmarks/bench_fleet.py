@@ -35,7 +35,9 @@ import argparse
 import asyncio
 import json
 import random
+import os
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -134,6 +136,7 @@ class Phase:
     seconds: float = 0.0
     cpu: float = 0.0  # coordinator CPU-seconds over the phase
     gen_cpu: float = 0.0  # this generator's CPU-seconds over the phase (it shares the machine)
+    beat_cpu: float = 0.0  # the heartbeat processes' CPU-seconds over the phase (``_Beaters``)
     machine_cpu: float = 0.0  # the whole machine's busy CPU-seconds over the phase
     idle_cpu_rate: float = 0.0  # coordinator cores with heartbeats only, just before the phase
     manifest_bytes: int = 0
@@ -579,10 +582,84 @@ def _fetch_report(wid: str, model: str, v: int, state: str, nbytes: int, total: 
             "nbytes": nbytes, "total": total, "seconds": round(seconds, 6), "sources": {}, "failed_sources": 0}
 
 
+class _Beaters:
+    """Heartbeats of the workers that neither read nor publish, sent by ``procs`` processes of
+    their own (this file with ``--beat``): the readers' simulation (chunk choice, answers
+    parsed) cannot make them late, so their latency is the coordinator's and the machine's,
+    as for a fleet whose workers each run on their own host. Phases are told over stdin;
+    each process answers with its figures (one JSON line) when told to stop."""
+
+    def __init__(self, url: str, ids: range, every: float, connections: int, procs: int, seed: int) -> None:
+        self.procs = []
+        for k in range(procs):
+            part = ids[k::procs]
+            if not part:
+                continue
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--beat", url, str(part.start), str(part.stop),
+                   str(part.step), str(every), str(max(2, connections)), str(seed + k)]
+            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+
+    def tell(self, what: str) -> None:
+        for p in self.procs:
+            p.stdin.write(what + "\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+
+    def finish(self) -> list[dict]:
+        self.tell("stop")
+        outs = []
+        for p in self.procs:
+            line = p.stdout.readline()  # type: ignore[union-attr]
+            p.wait(60)
+            if line:
+                outs.append(json.loads(line))
+        return outs
+
+
+async def _beat_main(url: str, ids: list[str], every: float, connections: int, seed: int) -> dict:
+    """One ``--beat`` process: heartbeats of ``ids`` every ``every`` s until told ``stop``;
+    ``phase NAME`` / ``idle`` lines on stdin say which phase its figures belong to."""
+    fl = _Fleet(url, 0, connections * 4, seed)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    phases: dict[str, Phase] = {}
+    cpu: dict[str, float] = {}
+    buf = b""
+
+    def on_stdin() -> None:
+        nonlocal buf
+        data = os.read(sys.stdin.fileno(), 65536)
+        buf += data
+        if not data:
+            stop.set()
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            word, _, name = line.decode().strip().partition(" ")
+            if fl.phase is not None:
+                cpu[fl.phase.name] = cpu.get(fl.phase.name, 0.0) + time.process_time()
+            if word == "phase":
+                fl.phase = phases.setdefault(name, Phase(name, 0, 0))
+                cpu[name] = cpu.get(name, 0.0) - time.process_time()
+            else:
+                fl.phase = None
+                if word == "stop":
+                    stop.set()
+
+    loop.add_reader(sys.stdin.fileno(), on_stdin)
+    try:
+        await fl.heartbeats(ids, every, stop, [])
+    finally:
+        loop.remove_reader(sys.stdin.fileno())
+        await fl.hb.close()
+        await fl.http.close()
+    return {"phases": {n: {"heartbeat": ph.heartbeat, "late": ph.late, "errors": ph.errors, "cpu": cpu.get(n, 0.0)}
+                       for n, ph in phases.items()},
+            "setup_errors": fl.setup_errors, "expired": fl.expired, "skipped": fl.hb_skipped}
+
+
 async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensors: int, chunks: tuple[int, int],
                        history: tuple[int, int], history_tensors: int, heartbeat: float, link_gbps: float,
                        connections: int, idle_seconds: float, seed: int, protocol: str = "chunkmap",
-                       runs: bool = True) -> dict:
+                       runs: bool = True, beat_procs: int = 1) -> dict:
     from tensorhub._addresses import encode
     from tensorhub._grid import grid_chunk_bytes
     from tensorhub._wire import Manifest, manifest_digest
@@ -602,7 +679,12 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
     published = 0
     stop = asyncio.Event()
     late: list[float] = []
-    hb = asyncio.ensure_future(fl.heartbeats(ids, heartbeat, stop, late))
+    # The trainer's and the readers' heartbeats (progress rides on them) from here; the
+    # others' from processes of their own (``_Beaters``), unless ``beat_procs`` is 0.
+    own = ids[: readers + 1] if beat_procs > 0 else ids
+    beaters = _Beaters(url, range(len(own), len(ids)), heartbeat,
+                       max(2, connections // 4), beat_procs, seed) if beat_procs > 0 else None
+    hb = asyncio.ensure_future(fl.heartbeats(own, heartbeat, stop, late))
     try:
         for ph in phases:
             while published < ph.history - 1:
@@ -629,6 +711,8 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
             await asyncio.sleep(idle_seconds)  # heartbeats only: the baseline this phase's CPU is net of
             ph.idle_cpu_rate = (_cpu(pid) - c0) / (time.perf_counter() - t0)
             fl.phase = ph
+            if beaters is not None:
+                beaters.tell(f"phase {ph.name}")
             c0, t0, g0, m0 = _cpu(pid), time.perf_counter(), time.process_time(), _machine_busy()[0]
             link = link_gbps * 1e9
 
@@ -641,11 +725,27 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
             ph.cpu = _cpu(pid) - c0
             ph.gen_cpu, ph.machine_cpu = time.process_time() - g0, _machine_busy()[0] - m0
             fl.phase = None
+            if beaters is not None:
+                beaters.tell("idle")
     finally:
         stop.set()
         await hb
+        beat_outs = await asyncio.to_thread(beaters.finish) if beaters is not None else []
         await fl.http.close()
         await fl.hb.close()
+    for b in beat_outs:  # the heartbeat processes' figures, into the phases'
+        fl.expired += b["expired"]
+        fl.hb_skipped += b["skipped"]
+        for k, v in b["setup_errors"].items():
+            fl.setup_errors[k] = fl.setup_errors.get(k, 0) + v
+        for ph in phases:
+            got = b["phases"].get(ph.name)
+            if got is not None:
+                ph.heartbeat += got["heartbeat"]
+                ph.late += got["late"]
+                ph.beat_cpu += got["cpu"]
+                for k, v in got["errors"].items():
+                    ph.errors[k] = ph.errors.get(k, 0) + v
     alive = True
     try:
         alive = (await _Pool(url, 1).request("GET", "/v1/info"))[0] == 200
@@ -675,6 +775,7 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
             "coordinator_cpu_s": round(ph.cpu, 2), "idle_cores": round(ph.idle_cpu_rate, 3),
             "coordinator_cores": round(ph.cpu / ph.seconds, 2) if ph.seconds else 0.0,
             "generator_cores": round(ph.gen_cpu / ph.seconds, 2) if ph.seconds else 0.0,
+            "heartbeat_proc_cores": round(ph.beat_cpu / ph.seconds, 2) if ph.seconds else 0.0,
             "machine_cores": round(ph.machine_cpu / ph.seconds, 2) if ph.seconds else 0.0,
             "requests": sum(ph.calls.values()) + len(ph.heartbeat),
             "cpu_ms_per_request": round(ph.cpu / max(1, sum(ph.calls.values()) + len(ph.heartbeat)) * 1e3, 3),
@@ -687,14 +788,15 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
 def run_fleet(*, workers: int = 10_000, readers: int = 1024, tensors: int = 50_000, chunks: tuple[int, int] = (256, 1024),
               history: tuple[int, int] = (10, 1000), history_tensors: int = 16, heartbeat: float = 2.0,
               link_gbps: float = 25.0, connections: int = 32, idle_seconds: float = 2.0, seed: int = 0,
-              protocol: str = "chunkmap", runs: bool = True) -> dict:
+              protocol: str = "chunkmap", runs: bool = True, beat_procs: int = 1) -> dict:
     """Fleet mode (see the section's comment): start a coordinator that keeps every
     version, drive the three phases, stop it; return the figures. ``runs``: readers send
     their copies' addresses as runs and ask for runs in lease answers, as the Hub does
     (False: one address per tensor, as clients before ``AddressRuns``)."""
     kw = dict(workers=workers, readers=readers, tensors=tensors, chunks=chunks, history=history,
               history_tensors=history_tensors, heartbeat=heartbeat, link_gbps=link_gbps,
-              connections=connections, idle_seconds=idle_seconds, seed=seed, protocol=protocol, runs=runs)
+              connections=connections, idle_seconds=idle_seconds, seed=seed, protocol=protocol, runs=runs,
+              beat_procs=beat_procs)
     keep = str(max(history) + 16)
     with tempfile.TemporaryDirectory(prefix="th-fleet-") as tmp:
         coord = CoordinatorProc(Path(tmp) / "state", worker_ttl=max(10.0, 5 * heartbeat),
@@ -753,6 +855,7 @@ def report_fleet(out: dict) -> str:
     row("coordinator CPU ms per request", lambda p: p["cpu_ms_per_request"], fmt="{:.3f}")
     row("coordinator cores busy", lambda p: p["coordinator_cores"])
     row("generator cores busy (this proc.)", lambda p: p["generator_cores"])
+    row("heartbeat processes' cores busy", lambda p: p.get("heartbeat_proc_cores", 0.0))
     row("generator lateness p99 ms", lambda p: p["generator_late_ms"]["p99"])
     row("machine cores busy (all)", lambda p: p["machine_cores"])
     row("manifest MB (JSON)", lambda p: p["manifest_mb"])
@@ -771,6 +874,13 @@ def report_fleet(out: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--beat"]:  # one of ``_Beaters``' processes
+        url, lo, hi, step, every, conns, seed = argv[1:8]
+        out = _run_loop(_beat_main(url, [f"sim-{i:05d}" for i in range(int(lo), int(hi), int(step))],
+                                   float(every), int(conns), int(seed)))
+        print(json.dumps(out), flush=True)
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(p)
     a = p.parse_args(argv)
@@ -795,6 +905,9 @@ def add_arguments(p: argparse.ArgumentParser, workers_default: int = 10_000) -> 
     f.add_argument("--link-gbps", type=float, default=25.0, help="each reader's simulated link, GB/s")
     f.add_argument("--protocol", choices=("chunkmap", "reports"), default="chunkmap",
                    help="chunkmap: the Hub now; reports: the protocol before chunk maps")
+    f.add_argument("--heartbeat-procs", type=int, default=1,
+                   help="processes that send the heartbeats of workers that neither read nor publish "
+                        "(0: this generator sends them too, between the readers' steps)")
     f.add_argument("--addresses", choices=("runs", "plain"), default="runs",
                    help="chunkmap readers' addresses: runs, as the Hub sends them (default), or plain lists")
 
@@ -803,7 +916,7 @@ def run_main(a: argparse.Namespace, workers: Optional[int] = None) -> int:
     out = run_fleet(workers=a.workers if workers is None else workers, readers=a.readers, tensors=a.fleet_tensors,
                     chunks=tuple(a.chunks), history=tuple(a.history), history_tensors=a.history_tensors,
                     heartbeat=a.heartbeat, link_gbps=a.link_gbps, connections=max(a.connections, 32), seed=a.seed,
-                    protocol=a.protocol, runs=a.addresses == "runs")
+                    protocol=a.protocol, runs=a.addresses == "runs", beat_procs=a.heartbeat_procs)
     print(report_fleet(out))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
