@@ -10,6 +10,7 @@ heartbeats, renewals, releases, reports), which never wait for the disk.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import threading
@@ -31,6 +32,18 @@ logger = logging.getLogger("tensorhub.coordinator")
 #: ``Location`` (and ``leader`` in the body) when it knows the leader, else 503.
 NOT_LEADER = "not_leader"
 
+
+#: Called (if set, in the caller's context) before a call waits for the disk: the HTTP
+#: shell's gate (``coordinator._Guard``) lets go of the caller's slot there, so a slow
+#: disk holds no slot and group commits still batch every caller waiting.
+before_disk_wait: contextvars.ContextVar[Optional[Callable[[], None]]] = contextvars.ContextVar(
+    "tensorhub_before_disk_wait", default=None)
+
+
+def _waiting_for_disk() -> None:
+    hook = before_disk_wait.get()
+    if hook is not None:
+        hook()
 
 
 class _Watch:
@@ -178,6 +191,7 @@ class Coordinator:
     async def _async_sync(self, seq: int) -> None:
         """``sync`` for the event loop: only a wait for a commit goes to a thread."""
         if self._durable < seq:
+            _waiting_for_disk()
             await asyncio.to_thread(self.sync, seq)
         else:
             self._check_lost(seq)
@@ -204,6 +218,7 @@ class Coordinator:
         """Return once every write queued up to ``seq`` is durable (committing what is
         queued, if no one else is); raise if the store refused them."""
         if self._durable < seq:
+            _waiting_for_disk()
             with self._commit_lock:
                 if self._durable < seq:
                     with self.lock:

@@ -1,0 +1,180 @@
+"""The coordinator's gate for the readers' calls (``coordinator._Guard``, ``GATE_SLOTS``):
+a burst of leases, resolves and manifest GETs runs a few at a time, so heartbeats and other
+short calls are answered between them; a slow body, an unread answer or a slow disk holds
+no slot."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from tensorhub._coordinator import Coordinator
+from tensorhub._state import StateConfig
+from tensorhub._store import SqliteStore
+from tensorhub.coordinator import _GATED, GATE_SLOTS, _Guard, create_app
+
+CFG = StateConfig(lease_ttl=10.0, worker_ttl=30.0, pause_grace=1e9, group_ttl=100.0, keep_versions=4)
+
+
+@pytest.mark.parametrize("call", [
+    "POST /v1/leases", "POST /v1/replicas", "POST /v1/models/m/resolve", "POST /v1/models/m/versions",
+    "GET /v1/models/m/versions/3/manifest", "GET /v1/models/m/versions/3", "GET /v1/status", "GET /v1/models",
+])
+def test_the_readers_and_publishers_calls_are_gated(call):
+    assert _GATED.fullmatch(call)
+
+
+@pytest.mark.parametrize("call", [
+    "POST /v1/workers/w1/heartbeat", "POST /v1/workers", "POST /v1/leases/l1/renew", "POST /v1/leases/l1/release",
+    "GET /v1/leases/l1/covers", "GET /v1/models/m/latest", "POST /v1/replicas/r1/report",
+    "POST /v1/replicas/r1/chunks", "POST /v1/fetches", "POST /v1/swaps", "GET /healthz", "GET /metrics",
+    "GET /v1/info", "POST /v1/models/m/versions/3/unpublish", "DELETE /v1/workers/w1",
+])
+def test_heartbeats_renewals_reports_and_long_polls_are_not(call):
+    assert not _GATED.fullmatch(call)
+
+
+def _scope(method: str, path: str, body: bytes = b"") -> dict:
+    headers = [(b"content-length", str(len(body)).encode())] if body else []
+    return {"type": "http", "method": method, "path": path, "headers": headers}
+
+
+class _Inner:
+    """An ASGI app that holds gated calls until ``go`` is set, counting how many run."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.running = self.most = 0
+        self.order: list[str] = []
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        msg = await receive() if scope["headers"] else {"body": b""}
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            if "heartbeat" not in scope["path"]:
+                await self.go.wait()
+            self.order.append(scope["path"])
+            self.bodies.append(msg.get("body", b""))
+        finally:
+            self.running -= 1
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def _client(body: bytes = b"", stall: "asyncio.Event | None" = None):
+    """receive/send for one request; ``stall``: the body arrives only once it is set."""
+    got: list[dict] = []
+
+    async def receive() -> dict:
+        if stall is not None:
+            await stall.wait()
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(msg: dict) -> None:
+        got.append(msg)
+
+    return receive, send, got
+
+
+def test_a_burst_runs_a_few_at_a_time_in_order_and_heartbeats_pass_it():
+    async def main() -> None:
+        inner = _Inner()
+        guard = _Guard(inner, None, slots=2)
+        calls = []
+        for i in range(6):
+            r, s, got = _client(b'{"i": %d}' % i)
+            calls.append((asyncio.ensure_future(guard(_scope("POST", f"/v1/models/m{i}/resolve", b'{"i": %d}' % i), r, s)), got))
+            await asyncio.sleep(0)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert inner.running == 2, "the gate lets exactly its slots in"
+        r, s, got = _client()
+        await asyncio.wait_for(guard(_scope("POST", "/v1/workers/w1/heartbeat"), r, s), 1)
+        assert got[0]["status"] == 200, "a heartbeat is answered while the burst waits"
+        inner.go.set()
+        await asyncio.wait_for(asyncio.gather(*(t for t, _ in calls)), 5)
+        assert inner.most <= 3  # two gated calls and the heartbeat
+        assert inner.order[1:] == [f"/v1/models/m{i}/resolve" for i in range(6)], "first come, first served"
+        assert inner.bodies[1:] == [b'{"i": %d}' % i for i in range(6)], "each call gets its own body"
+        assert all(got[0]["status"] == 200 for _, got in calls)
+
+    asyncio.run(main())
+
+
+def test_a_slow_body_and_an_unread_answer_hold_no_slot():
+    async def main() -> None:
+        inner = _Inner()
+        inner.go.set()
+        guard = _Guard(inner, None, slots=1)
+        stall = asyncio.Event()
+        r, s, _ = _client(b"{}", stall=stall)  # its body never comes
+        slow = asyncio.ensure_future(guard(_scope("POST", "/v1/leases", b"{}"), r, s))
+        await asyncio.sleep(0.01)
+
+        unread = asyncio.Event()
+
+        async def blocked_send(msg: dict) -> None:  # a client that does not read its answer
+            if msg["type"] == "http.response.body":
+                await unread.wait()
+
+        r2, _, _ = _client(b"{}")
+        stuck = asyncio.ensure_future(guard(_scope("POST", "/v1/leases", b"{}"), r2, blocked_send))
+        await asyncio.sleep(0.01)
+        r3, s3, got = _client(b"{}")
+        await asyncio.wait_for(guard(_scope("POST", "/v1/leases", b"{}"), r3, s3), 1)
+        assert got[0]["status"] == 200
+        stall.set()
+        unread.set()
+        await asyncio.wait_for(asyncio.gather(slow, stuck), 1)
+
+    asyncio.run(main())
+
+
+class _SlowStore(SqliteStore):
+    """The real SQLite store behind a disk that takes ``delay`` per commit; records how
+    many writes each commit carried."""
+
+    def __init__(self, path, delay: float) -> None:
+        super().__init__(path)
+        self.delay, self.batches = delay, []
+
+    def commit(self, writes):
+        writes = list(writes)
+        if writes:
+            self.batches.append(len(writes))
+            time.sleep(self.delay)
+        super().commit(writes)
+
+
+def test_a_call_waiting_for_the_disk_lets_go_of_its_slot(tmp_path):
+    """More publishers than slots allocate versions on a slow disk: each lets go of its slot
+    while its commit waits, so the next ones get in and their writes share commits (group
+    commit) instead of one slow commit per slot's turn."""
+    store = _SlowStore(tmp_path / "state", delay=0.5)
+    coord = Coordinator(None, CFG, store=store)
+    n = 3 * GATE_SLOTS
+
+    async def main() -> list:
+        app = create_app(coord)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c:
+            rs = await asyncio.gather(*(c.post(f"/v1/models/m{i}/versions", json={}) for i in range(n)))
+        return rs
+
+    try:
+        rs = asyncio.run(main())
+        assert [r.status_code for r in rs] == [200] * n, [r.text for r in rs]
+        assert sorted(r.json()["version"] for r in rs) == [1] * n
+        assert len(store.batches) < n / GATE_SLOTS, f"commits did not batch: {store.batches}"
+    finally:
+        coord.close()
+    back = Coordinator(tmp_path / "state", CFG)
+    try:
+        assert all(back.state.models[f"m{i}"].counter == 1 for i in range(n)), "every answered version is durable"
+    finally:
+        back.close()
