@@ -788,7 +788,8 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
 def run_fleet(*, workers: int = 10_000, readers: int = 1024, tensors: int = 50_000, chunks: tuple[int, int] = (256, 1024),
               history: tuple[int, int] = (10, 1000), history_tensors: int = 16, heartbeat: float = 2.0,
               link_gbps: float = 25.0, connections: int = 32, idle_seconds: float = 2.0, seed: int = 0,
-              protocol: str = "chunkmap", runs: bool = True, beat_procs: int = 1) -> dict:
+              protocol: str = "chunkmap", runs: bool = True, beat_procs: int = 1,
+              call_slots: Optional[int] = None) -> dict:
     """Fleet mode (see the section's comment): start a coordinator that keeps every
     version, drive the three phases, stop it; return the figures. ``runs``: readers send
     their copies' addresses as runs and ask for runs in lease answers, as the Hub does
@@ -800,13 +801,15 @@ def run_fleet(*, workers: int = 10_000, readers: int = 1024, tensors: int = 50_0
     keep = str(max(history) + 16)
     with tempfile.TemporaryDirectory(prefix="th-fleet-") as tmp:
         coord = CoordinatorProc(Path(tmp) / "state", worker_ttl=max(10.0, 5 * heartbeat),
-                                extra=("--keep-versions", keep))
+                                extra=("--keep-versions", keep)
+                                + (("--call-slots", str(call_slots)) if call_slots is not None else ()))
         try:
             out = _run_loop(_drive_fleet(coord.url, coord.proc.pid, **kw))
             out["coordinator_alive"] = coord.alive
         finally:
             coord.stop()
     out["keep_versions"] = int(keep)
+    out["call_slots"] = call_slots
     return out
 
 
@@ -908,20 +911,51 @@ def add_arguments(p: argparse.ArgumentParser, workers_default: int = 10_000) -> 
     f.add_argument("--heartbeat-procs", type=int, default=1,
                    help="processes that send the heartbeats of workers that neither read nor publish "
                         "(0: this generator sends them too, between the readers' steps)")
+    f.add_argument("--call-slots", type=int, default=None,
+                   help="the coordinator's --call-slots (default: its own default)")
+    f.add_argument("--compare-gate", action="store_true",
+                   help="run twice, the coordinator's gate for readers' calls off (--call-slots 0) then on")
     f.add_argument("--addresses", choices=("runs", "plain"), default="runs",
                    help="chunkmap readers' addresses: runs, as the Hub sends them (default), or plain lists")
 
 
+def report_gate(off: dict, on: dict) -> str:
+    """``--compare-gate``: the same fleet on a coordinator without the gate for the readers'
+    calls (``--call-slots 0``) and with it (the default), side by side."""
+    lines = [f"the gate for readers' calls, side by side (off: --call-slots 0; on: the default)",
+             f"{'figure':<22} {'phase':<8} {'off':>9} {'on':>9} {'on/off':>7}"]
+    for name in ("base", "chunks", "history"):
+        a, b = off["phases"][name], on["phases"][name]
+        for label, get in (("heartbeat p50 ms", lambda p: p["heartbeat_ms"]["p50"]),
+                           ("heartbeat p99 ms", lambda p: p["heartbeat_ms"]["p99"]),
+                           ("heartbeat max ms", lambda p: p["heartbeat_ms"]["max"]),
+                           ("lease p50 ms", lambda p: p["lease_ms"]["p50"]),
+                           ("lease p99 ms", lambda p: p["lease_ms"]["p99"]),
+                           ("phase seconds", lambda p: p["seconds"]),
+                           ("readers completed", lambda p: p["completed"])):
+            x, y = get(a), get(b)
+            lines.append(f"{label:<22} {name:<8} {x:>9.2f} {y:>9.2f} {(y / x if x else float('nan')):>7.2f}")
+    return "\n".join(lines)
+
+
 def run_main(a: argparse.Namespace, workers: Optional[int] = None) -> int:
-    out = run_fleet(workers=a.workers if workers is None else workers, readers=a.readers, tensors=a.fleet_tensors,
-                    chunks=tuple(a.chunks), history=tuple(a.history), history_tensors=a.history_tensors,
-                    heartbeat=a.heartbeat, link_gbps=a.link_gbps, connections=max(a.connections, 32), seed=a.seed,
-                    protocol=a.protocol, runs=a.addresses == "runs", beat_procs=a.heartbeat_procs)
-    print(report_fleet(out))
+    kw = dict(workers=a.workers if workers is None else workers, readers=a.readers, tensors=a.fleet_tensors,
+              chunks=tuple(a.chunks), history=tuple(a.history), history_tensors=a.history_tensors,
+              heartbeat=a.heartbeat, link_gbps=a.link_gbps, connections=max(a.connections, 32), seed=a.seed,
+              protocol=a.protocol, runs=a.addresses == "runs", beat_procs=a.heartbeat_procs)
+    outs = []
+    if a.compare_gate:
+        outs.append(run_fleet(**kw, call_slots=0))
+        print(report_fleet(outs[-1]), flush=True)
+    outs.append(run_fleet(**kw, call_slots=a.call_slots))
+    print(report_fleet(outs[-1]))
+    if a.compare_gate:
+        print(report_gate(outs[0], outs[1]))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=2))
-    return 0 if out["errors"] == 0 and out["coordinator_alive"] else 1
+        Path(a.json).write_text(json.dumps(outs[-1] if len(outs) == 1 else {"gate_off": outs[0], "gate_on": outs[1]},
+                                           indent=2))
+    return 0 if all(o["errors"] == 0 and o["coordinator_alive"] for o in outs) else 1
 
 
 if __name__ == "__main__":

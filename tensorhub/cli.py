@@ -25,6 +25,8 @@ def _coordinator(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.keep_versions < 1:
         raise ConfigError(f"--keep-versions must be >= 1, got {args.keep_versions}")
+    if args.call_slots is not None and args.call_slots < 0:
+        raise ConfigError(f"--call-slots must be >= 0 (0: no gate), got {args.call_slots}")
     config = StateConfig(lease_ttl=args.lease_ttl, worker_ttl=args.worker_ttl, policy=args.planner,
                          keep_versions=args.keep_versions, plans=args.plans)
 
@@ -34,7 +36,8 @@ def _coordinator(args: argparse.Namespace) -> int:
     serve(args.host, args.port, args.state_dir, token=read_token(args.token_file), config=config,
           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, on_ready=ready,
           store=args.store, advertise_url=args.advertise_url, election_ttl=args.election_ttl,
-          etcd_ca_file=args.etcd_ca_file, etcd_cert_file=args.etcd_cert_file, etcd_key_file=args.etcd_key_file)
+          etcd_ca_file=args.etcd_ca_file, etcd_cert_file=args.etcd_cert_file, etcd_key_file=args.etcd_key_file,
+          call_slots=args.call_slots)
     return 0
 
 
@@ -197,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--plans", action=argparse.BooleanOptionalAction, default=True,
                    help="striped plans for pipelined readers where one source is scarce (default); "
                         "--no-plans: readers pick chunks by their sources' chunk maps alone (a baseline)")
+    c.add_argument("--call-slots", type=int, default=None, metavar="N",
+                   help="readers' and publishers' calls (leases, registrations, resolve, manifests) run "
+                        "N at a time, so heartbeats are answered in a burst of them (default 4; 0: no gate)")
     c.add_argument("--worker-ttl", type=float, default=10.0,
                    help="seconds without heartbeat after which a worker's replicas are dropped")
     c.add_argument("--keep-versions", type=int, default=16,

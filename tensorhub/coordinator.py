@@ -350,7 +350,7 @@ class _PrometheusText(Response):
     media_type = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
+def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Optional[int] = None) -> FastAPI:
     """The FastAPI application serving ``coord``.
 
     Routes that only touch soft state (workers, replicas, leases) are ``async``: they run
@@ -367,7 +367,8 @@ def create_app(coord: Coordinator, token: Optional[str] = None) -> FastAPI:
     app.add_middleware(_FastHeartbeat, coord=coord)
     if coord.election is not None:
         app.add_middleware(_LeaderGate, coord=coord)
-    app.add_middleware(_Guard, expected=expected, count=coord.metrics.request)  # added last: outermost
+    app.add_middleware(_Guard, expected=expected, count=coord.metrics.request,  # added last: outermost
+                       slots=GATE_SLOTS if call_slots is None else call_slots)
 
     @app.exception_handler(CoordinatorError)
     async def _coordinator_error(request: Request, exc: CoordinatorError) -> JSONResponse:
@@ -598,14 +599,14 @@ class _Server:
 
     def __init__(self, coord: Coordinator, host: str, port: int, token: Optional[str],
                  ssl_certfile: Optional[str] = None, ssl_keyfile: Optional[str] = None,
-                 sock: Optional[socket.socket] = None) -> None:
+                 sock: Optional[socket.socket] = None, call_slots: Optional[int] = None) -> None:
         import uvicorn
 
         self.coord = coord
         self.sock = _bind(host, port) if sock is None else sock
         self.url = _url(host, self.sock, ssl_certfile is not None)
         cfg = uvicorn.Config(
-            create_app(coord, token), log_level="warning", access_log=False,
+            create_app(coord, token, call_slots), log_level="warning", access_log=False,
             ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, timeout_keep_alive=30,
         )
         self.server = uvicorn.Server(cfg)
@@ -633,7 +634,7 @@ def serve(host: str, port: int, state_dir: Optional[str | os.PathLike], *, token
           ssl_keyfile: Optional[str] = None, on_ready: Callable[[str], None] = print,
           store: Optional[str] = None, advertise_url: Optional[str] = None, election_ttl: float = 2.0,
           etcd_ca_file: Optional[str] = None, etcd_cert_file: Optional[str] = None,
-          etcd_key_file: Optional[str] = None) -> None:
+          etcd_key_file: Optional[str] = None, call_slots: Optional[int] = None) -> None:
     """Run the coordinator in the foreground until SIGINT/SIGTERM.
 
     ``store``: ``None``/``"sqlite"`` (a file in ``state_dir``) or ``etcd://h:p[,h:p...]``
@@ -643,7 +644,7 @@ def serve(host: str, port: int, state_dir: Optional[str | os.PathLike], *, token
         if state_dir is None:
             raise ConfigError("the SQLite store needs --state-dir")
         coord = Coordinator(state_dir, config)
-        srv = _Server(coord, host, port, token, ssl_certfile, ssl_keyfile)
+        srv = _Server(coord, host, port, token, ssl_certfile, ssl_keyfile, call_slots=call_slots)
     else:
         sock = _bind(host, port)
         url = advertise_url or _url(host, sock, ssl_certfile is not None)
@@ -651,7 +652,7 @@ def serve(host: str, port: int, state_dir: Optional[str | os.PathLike], *, token
             raise ConfigError(f"listening on {host!r}: pass --advertise-url (the URL clients reach this one at)")
         coord = ha_coordinator(store, url, config, election_ttl=election_ttl, etcd_ca_file=etcd_ca_file,
                                etcd_cert_file=etcd_cert_file, etcd_key_file=etcd_key_file)
-        srv = _Server(coord, host, port, token, ssl_certfile, ssl_keyfile, sock=sock)
+        srv = _Server(coord, host, port, token, ssl_certfile, ssl_keyfile, sock=sock, call_slots=call_slots)
     # This process is ours: keep what exists now (modules, the app, restored state) out of
     # the cycle collector's scans, and collect young objects less often. Full collections
     # otherwise stall every request for 20-80 ms every few seconds under load.

@@ -178,3 +178,43 @@ def test_a_call_waiting_for_the_disk_lets_go_of_its_slot(tmp_path):
         assert all(back.state.models[f"m{i}"].counter == 1 for i in range(n)), "every answered version is durable"
     finally:
         back.close()
+
+
+@pytest.mark.parametrize("slots", ["1", "0"])
+def test_the_coordinator_process_serves_with_any_number_of_slots(tmp_path, slots):
+    """``tensorhub coordinator --call-slots N``: a real coordinator process answers a burst
+    of publishers' allocations and resolves, with heartbeats between them, whatever N."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tensorhub.testing import CoordinatorProcess
+
+    c = CoordinatorProcess(tmp_path / "state", extra=("--call-slots", slots))
+    url = c.start()
+    try:
+        with httpx.Client(base_url=url, timeout=30) as h:
+            assert h.post("/v1/workers", json={"worker_id": "w", "endpoint": "127.0.0.1:1"}).status_code == 200
+
+            def one(i: int) -> tuple[int, int]:
+                v = h.post(f"/v1/models/m{i % 4}/versions", json={}).json()["version"]
+                beat = h.post("/v1/workers/w/heartbeat", json={})
+                return v, beat.status_code
+
+            with ThreadPoolExecutor(16) as ex:
+                got = list(ex.map(one, range(40)))
+            assert sorted(v for v, _ in got) == sorted(list(range(1, 11)) * 4)  # each model's 1..10, once each
+            assert {b for _, b in got} == {200}
+            r = h.get("/v1/models")  # gated too
+            assert r.status_code == 200
+            assert {m["model"]: (m["counter"], m["latest"]) for m in r.json()} == {
+                f"m{i}": (10, None) for i in range(4)}  # allocated, none complete
+    finally:
+        c.stop()
+
+
+def test_a_negative_number_of_slots_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "tensorhub", "coordinator", "--state-dir", str(tmp_path),
+                        "--call-slots", "-1"], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--call-slots must be >= 0" in p.stderr
