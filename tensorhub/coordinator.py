@@ -19,7 +19,9 @@ token configured it is open like every other route.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import heapq
 import hmac
 import logging
 import os
@@ -110,18 +112,64 @@ class _LeaderGate:
 #: Request bodies above this size are parsed one at a time (see ``_Guard``).
 _LARGE_BODY = 1 << 20
 
-#: The readers' and publishers' calls (``_Guard``'s gate): a lease or its refresh, a replica
-#: registration, resolve, the manifest GET, a version's allocation, the views. Each costs
-#: 0.2-2 ms of the event loop; heartbeats, renewals, releases, reports and long polls are
-#: not among them.
-_GATED = re.compile(
-    r"POST /v1/(leases|replicas|models/[^/]+/(resolve|versions))"
-    r"|GET /v1/(status|models|models/[^/]+/versions/[^/]+(/manifest)?)"
+#: The readers' and publishers' calls (``_Guard``'s gate), each with its rank: a reader's
+#: last call (release + complete registration: it becomes a source) and a publisher's
+#: first, then leases and refreshes, manifest GETs, resolves, the views. Each costs 0.2-2 ms
+#: of the event loop; heartbeats, renewals, releases, reports and long polls are not here.
+_GATED_RANKS = (
+    (re.compile(r"POST /v1/(replicas|models/[^/]+/versions)"), 0),
+    (re.compile(r"POST /v1/leases"), 1),
+    (re.compile(r"GET /v1/models/[^/]+/versions/[^/]+/manifest"), 2),
+    (re.compile(r"POST /v1/models/[^/]+/resolve"), 3),
+    (re.compile(r"GET /v1/(status|models|models/[^/]+/versions/[^/]+)"), 4),
 )
 #: How many gated calls run at once: a heartbeat arriving in a burst of a thousand readers'
 #: calls waits for at most this many of them on the event loop, not for the whole burst
 #: (the burst takes as long either way: its work is the same, one at a time).
 GATE_SLOTS = 4
+
+
+def _gate_rank(method: str, path: str) -> Optional[int]:
+    """The gate's rank of a call (lower goes first), or None: not gated."""
+    call = f"{method} {path}"
+    for pattern, rank in _GATED_RANKS:
+        if pattern.fullmatch(call):
+            return rank
+    return None
+
+
+class _Gate:
+    """``slots`` at a time; waiters by rank, then first come first served. A reader further
+    along its read goes first: a burst's first readers get their leases and start fetching
+    (and serving the others) while later ones still resolve, instead of every lease waiting
+    for every resolve."""
+
+    def __init__(self, slots: int) -> None:
+        self.free = slots
+        self._waiting: list[tuple[int, int, asyncio.Future]] = []
+        self._seq = 0
+
+    async def acquire(self, rank: int) -> None:
+        if self.free > 0 and not self._waiting:
+            self.free -= 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._seq += 1
+        heapq.heappush(self._waiting, (rank, self._seq, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # granted as it was cancelled: pass it on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            _, _, fut = heapq.heappop(self._waiting)
+            if not fut.done():
+                fut.set_result(None)  # the slot goes to it directly
+                return
+        self.free += 1
 
 
 class _Guard:
@@ -142,7 +190,7 @@ class _Guard:
                  slots: int = GATE_SLOTS) -> None:
         self.app, self.expected, self.count = app, expected, count
         self._large = asyncio.Semaphore(1)
-        self._gate = asyncio.Semaphore(slots) if slots > 0 else None
+        self._gate = _Gate(slots) if slots > 0 else None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -171,14 +219,14 @@ class _Guard:
             refuse = JSONResponse({"code": "length_required", "detail": "send Content-Length"}, 411)
         if refuse is not None:
             return await refuse(scope, receive, send)
-        gated = self._gate is not None and _GATED.fullmatch(f"{scope['method']} {scope['path']}") is not None
-        inner = self._gated if gated else self.app
+        rank = _gate_rank(scope["method"], scope["path"]) if self._gate is not None else None
+        inner = self.app if rank is None else functools.partial(self._gated, rank=rank)
         if length is not None and int(length) > _LARGE_BODY:
             async with self._large:
                 return await inner(scope, receive, send)
         await inner(scope, receive, send)
 
-    async def _gated(self, scope: Any, receive: Any, send: Any) -> None:
+    async def _gated(self, scope: Any, receive: Any, send: Any, rank: int) -> None:
         """A gated call: its body is read first, and the slot is let go when the call
         waits for the disk (``before_disk_wait``) or its answer starts, so a client that
         sends its body slowly or does not read the answer, and a slow disk, hold no slot."""
@@ -193,7 +241,7 @@ class _Guard:
                 more = msg.get("more_body", False)
         gate = self._gate
         assert gate is not None
-        await gate.acquire()
+        await gate.acquire(rank)
         held = True
         loop, on_loop = asyncio.get_running_loop(), threading.get_ident()
 

@@ -15,7 +15,7 @@ import pytest
 from tensorhub._coordinator import Coordinator
 from tensorhub._state import StateConfig
 from tensorhub._store import SqliteStore
-from tensorhub.coordinator import _GATED, GATE_SLOTS, _Guard, create_app
+from tensorhub.coordinator import GATE_SLOTS, _Gate, _gate_rank, _Guard, create_app
 
 CFG = StateConfig(lease_ttl=10.0, worker_ttl=30.0, pause_grace=1e9, group_ttl=100.0, keep_versions=4)
 
@@ -25,7 +25,7 @@ CFG = StateConfig(lease_ttl=10.0, worker_ttl=30.0, pause_grace=1e9, group_ttl=10
     "GET /v1/models/m/versions/3/manifest", "GET /v1/models/m/versions/3", "GET /v1/status", "GET /v1/models",
 ])
 def test_the_readers_and_publishers_calls_are_gated(call):
-    assert _GATED.fullmatch(call)
+    assert _gate_rank(*call.split(" ")) is not None
 
 
 @pytest.mark.parametrize("call", [
@@ -35,7 +35,7 @@ def test_the_readers_and_publishers_calls_are_gated(call):
     "GET /v1/info", "POST /v1/models/m/versions/3/unpublish", "DELETE /v1/workers/w1",
 ])
 def test_heartbeats_renewals_reports_and_long_polls_are_not(call):
-    assert not _GATED.fullmatch(call)
+    assert _gate_rank(*call.split(" ")) is None
 
 
 def _scope(method: str, path: str, body: bytes = b"") -> dict:
@@ -103,6 +103,47 @@ def test_a_burst_runs_a_few_at_a_time_in_order_and_heartbeats_pass_it():
         assert inner.order[1:] == [f"/v1/models/m{i}/resolve" for i in range(6)], "first come, first served"
         assert inner.bodies[1:] == [b'{"i": %d}' % i for i in range(6)], "each call gets its own body"
         assert all(got[0]["status"] == 200 for _, got in calls)
+
+    asyncio.run(main())
+
+
+def test_calls_further_along_a_read_go_first_and_a_cancelled_wait_frees_nothing_twice():
+    """Waiting calls pass by rank (complete registration, lease, manifest, resolve, views),
+    then in arrival order; a waiter that gives up (its client went away) takes no slot, and
+    one granted as it gave up passes the slot on."""
+    async def main() -> None:
+        inner = _Inner()
+        guard = _Guard(inner, None, slots=1)
+        first = asyncio.ensure_future(guard(_scope("GET", "/v1/status"), *_client()[:2]))
+        await asyncio.sleep(0)
+        assert inner.running == 1
+        calls = [("GET", "/v1/models/m/versions/1"), ("POST", "/v1/models/m/resolve"),
+                 ("GET", "/v1/models/m/versions/1/manifest"), ("POST", "/v1/leases"), ("POST", "/v1/replicas"),
+                 ("POST", "/v1/models/m/resolve")]
+        waiting = []
+        for m, path in calls:
+            waiting.append(asyncio.ensure_future(guard(_scope(m, path, b"{}" if m == "POST" else b""),
+                                                       *_client(b"{}" if m == "POST" else b"")[:2])))
+            await asyncio.sleep(0)
+        gone = asyncio.ensure_future(guard(_scope("POST", "/v1/leases", b"{}"), *_client(b"{}")[:2]))
+        await asyncio.sleep(0)
+        gone.cancel()
+        inner.go.set()
+        await asyncio.wait_for(asyncio.gather(first, *waiting), 5)
+        assert inner.order == ["/v1/status", "/v1/replicas", "/v1/leases", "/v1/models/m/versions/1/manifest",
+                               "/v1/models/m/resolve", "/v1/models/m/resolve", "/v1/models/m/versions/1"]
+        assert inner.most == 1
+
+        gate = _Gate(1)
+        await gate.acquire(0)
+        w = asyncio.ensure_future(gate.acquire(1))
+        await asyncio.sleep(0)
+        gate.release()  # granted to w ...
+        w.cancel()  # ... as it gives up: the slot is passed on, not lost
+        with pytest.raises(asyncio.CancelledError):
+            await w
+        assert gate.free == 1
+        await asyncio.wait_for(gate.acquire(3), 1)
 
     asyncio.run(main())
 
