@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ._catalog import Write
-from ._wire import Manifest
+from ._wire import Manifest, manifest_json
 
 __all__ = ["SqliteStore"]
 
@@ -105,7 +105,7 @@ class SqliteStore:
                 elif table == "manifest":
                     db.execute(
                         "INSERT OR IGNORE INTO manifests VALUES (?, ?, ?, ?, ?)",
-                        (*key, json.dumps(value.model_dump(mode="json"), separators=(",", ":"))),
+                        (*key, manifest_json(value).decode()),
                     )
                 elif table == "allocation":
                     db.execute("INSERT OR IGNORE INTO allocations VALUES (?, ?, ?)", (*key, value))

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 from ._exceptions import ConfigError, TensorHubError
 from ._catalog import Write
-from ._wire import Manifest
+from ._wire import Manifest, manifest_json
 
 __all__ = ["EtcdStore", "EtcdEndpoints", "EtcdUnavailable", "Fenced", "parse_store_url"]
 
@@ -282,7 +282,7 @@ class EtcdStore:
             if table in ("allocation_floor", "retire"):
                 continue
             if table == "manifest":
-                text = json.dumps(value.model_dump(mode="json"), separators=(",", ":"))
+                text = manifest_json(value).decode()
             else:
                 text = json.dumps(value)
             last[self._key(table, key)] = text

@@ -401,10 +401,12 @@ class _PrometheusText(Response):
 def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Optional[int] = None) -> FastAPI:
     """The FastAPI application serving ``coord``.
 
-    Routes that only touch soft state (workers, replicas, leases) are ``async``: they run
-    on the event loop and hold the lock for microseconds. Routes that may commit to SQLite
-    (allocate, register a replica) or build large answers (status) stay plain functions,
-    which FastAPI runs on its thread pool."""
+    Routes are ``async``: they run on the event loop and hold the lock for microseconds to
+    a millisecond; a call that must wait for a commit waits on a thread (``acall``), not on
+    the loop. The views that build large answers (status, a version's view, models) stay
+    plain functions, which FastAPI runs on its thread pool. (Readers' registrations once
+    ran there too: a burst of them from several threads took the interpreter's lock from
+    the event loop for tens of milliseconds at a time, and heartbeats waited.)"""
     app = FastAPI(
         title="TensorHub coordinator",
         version="1",
@@ -479,8 +481,9 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         ])
 
     @app.post("/v1/models/{model}/versions")
-    def allocate(model: str = _model(), req: AllocateVersion = Body(default=AllocateVersion())) -> dict:
-        return {"version": coord.call(lambda now: st().allocate_version(now, model, req.version, req.request_id))}
+    async def allocate(model: str = _model(), req: AllocateVersion = Body(default=AllocateVersion())) -> dict:
+        return {"version": await coord.acall(lambda now: st().allocate_version(now, model, req.version,
+                                                                                req.request_id))}
 
     @app.get("/v1/models/{model}/latest")
     async def latest(
@@ -509,11 +512,11 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         return {"version": await coord.acall(lambda now: st().resolve(now, model, req.group, req.newer_than))}
 
     @app.post("/v1/replicas")
-    def register_replica(req: RegisterReplica) -> dict:
+    async def register_replica(req: RegisterReplica) -> dict:
         if req.release:  # a reader's last call of a read: release its leases, then register
-            rid, complete, released = coord.call(lambda now: st().release_and_register(now, req))
+            rid, complete, released = await coord.acall(lambda now: st().release_and_register(now, req))
         else:
-            (rid, complete), released = coord.call(lambda now: st().register_replica(now, req)), None
+            (rid, complete), released = await coord.acall(lambda now: st().register_replica(now, req)), None
         logger.debug("replica %s: %s v%d layout %r shard %d/%d on worker %s%s", rid or "(not registered)",
                      req.model, req.version, req.layout, req.shard, req.num_shards, req.worker_id,
                      " (partial)" if req.partial else " (version complete)" if complete else "")
