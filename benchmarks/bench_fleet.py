@@ -671,7 +671,15 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
     trainer, reader_ids = ids[0], ids[1:readers + 1]
     t_setup = time.perf_counter()
     await fl.register(ids)
-    phases = [Phase("base", chunks[0], history[0]), Phase("chunks", chunks[1], history[0]),
+    # Each reader's connection is open before the first version (a Hub's client connects when
+    # its worker registers and keeps the connection): the base phase measures leases, not
+    # hundreds of TCP handshakes at once.
+    await fl.http.warm(min(connections, readers))
+    # A warm-up version first, read by every reader as the others are, reported apart: what a
+    # coordinator does once after it starts (its threads, the first collections of a grown
+    # heap) made the base phase, and every ratio to it, a measure of the start.
+    phases = [Phase("warm-up", chunks[0], max(1, history[0] - 1)),
+              Phase("base", chunks[0], history[0]), Phase("chunks", chunks[1], history[0]),
               Phase("history", chunks[0], history[1])]
     # Retained versions before the measured ones: small manifests (their number is the cost measured).
     hist_man = json.dumps(_manifest(history_tensors)).encode()
@@ -781,7 +789,9 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
             "cpu_ms_per_request": round(ph.cpu / max(1, sum(ph.calls.values()) + len(ph.heartbeat)) * 1e3, 3),
             "cpu_s_per_reader_version": round(net / r, 4),
         }
-    out["errors"] = sum(sum(p["errors"].values()) for p in out["phases"].values()) + sum(fl.setup_errors.values())
+    out["warmup"] = out["phases"].pop("warm-up")
+    out["errors"] = (sum(sum(p["errors"].values()) for p in (*out["phases"].values(), out["warmup"]))
+                     + sum(fl.setup_errors.values()))
     return out
 
 
@@ -868,6 +878,11 @@ def report_fleet(out: dict) -> str:
     errs = {k: v for p in (b, c, h) for k, v in p["errors"].items()}
     lines.append("CPU per reader-version: the coordinator's CPU-seconds over the phase, less its heart-beat-only "
                  f"rate just before ({b['idle_cores']}/{c['idle_cores']}/{h['idle_cores']} cores), over readers")
+    w = out.get("warmup")
+    if w is not None:
+        lines.append(f"warm-up version before the phases (not in the table): heartbeat p50/p99 {w['heartbeat_ms']['p50']}/"
+                     f"{w['heartbeat_ms']['p99']} ms, lease p50/p99 {w['lease_ms']['p50']}/{w['lease_ms']['p99']} ms, "
+                     f"{w['completed']} readers completed, {w['calls_per_reader']} calls per reader")
     lines.append(f"setup {out['setup_seconds']} s; generator lateness p50 {out['generator_late_ms']['p50']} ms, "
                  f"p99 {out['generator_late_ms']['p99']} ms; errors {out['errors']}"
                  + (f" {errs} {out['setup_errors']}" if out["errors"] else "")

@@ -143,6 +143,18 @@ class _Pool:
                 raise
         return await self.idle.get()
 
+    async def warm(self, n: int) -> None:
+        """Open up to ``n`` connections now (idle, for later requests)."""
+        async def one() -> None:
+            self.opened += 1
+            try:
+                self.idle.put_nowait(await asyncio.open_connection(self.host, self.port))
+            except Exception:
+                self.opened -= 1
+                raise
+
+        await asyncio.gather(*(one() for _ in range(max(0, min(n, self.size) - self.opened))))
+
     async def request(self, method: str, path: str, body: Optional[bytes] = None) -> tuple[int, bytes]:
         r, w = await self._conn()
         try:
