@@ -61,6 +61,7 @@ from ._wire import (
     Resolve,
     SwapReport,
     Unpublish,
+    manifest_json,
 )
 
 __all__ = ["Coordinator", "EmbeddedCoordinator", "create_app", "serve", "ha_coordinator"]
@@ -306,6 +307,62 @@ class _FastHeartbeat:
         await resp(scope, receive, send)
 
 
+async def _register(coord: Coordinator, req: RegisterReplica) -> dict:
+    """``POST /v1/replicas`` (the route, and ``_LargeRegistration``)."""
+    if req.release:  # a reader's last call of a read: release its leases, then register
+        rid, complete, released = await coord.acall(lambda now: coord.state.release_and_register(now, req))
+    else:
+        (rid, complete), released = await coord.acall(lambda now: coord.state.register_replica(now, req)), None
+    logger.debug("replica %s: %s v%d layout %r shard %d/%d on worker %s%s", rid or "(not registered)",
+                 req.model, req.version, req.layout, req.shard, req.num_shards, req.worker_id,
+                 " (partial)" if req.partial else " (version complete)" if complete else "")
+    return {"replica_id": rid, "complete": complete} | ({"released": released} if released is not None else {})
+
+
+def _parse_registration(body: bytes) -> RegisterReplica:
+    """A large registration parsed and validated, and its manifest's canonical JSON made
+    (kept for its digest and the store's commit), off the event loop."""
+    req = RegisterReplica.model_validate_json(body)
+    if req.manifest is not None:
+        manifest_json(req.manifest)
+    return req
+
+
+class _LargeRegistration:
+    """``POST /v1/replicas`` with a body over ``_LARGE_BODY`` (a publisher's replica: a
+    50,000-tensor manifest is 6-7 MB) is parsed and validated on a worker thread, not on
+    the event loop: on the loop that took ~0.3-0.4 s at each publish, and every heartbeat
+    and lease waited for it; on a thread the loop runs between the validators' steps. The
+    answer is the route's; a body that does not validate goes to the route (its 422 as
+    always). Sits inside ``_Guard`` (token, size, the gate: one slot) and ``_LeaderGate``."""
+
+    def __init__(self, app: Any, coord: Coordinator) -> None:
+        self.app, self.coord = app, coord
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/replicas"):
+            return await self.app(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is None or not length.isdigit() or int(length) <= _LARGE_BODY:
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        try:
+            req = await asyncio.to_thread(_parse_registration, body)
+        except ValueError:  # the route answers it (422 as always)
+            return await self.app(scope, _replay(body, receive), send)
+        try:
+            resp = JSONResponse(await _register(self.coord, req))
+        except CoordinatorError as e:
+            resp = _not_leader(self.coord, scope) if e.code == NOT_LEADER else error_response(e)
+        await resp(scope, receive, send)
+
+
 def _replay(body: bytes, rest: Optional[Callable[[], Any]] = None) -> Callable[[], Any]:
     """An ASGI ``receive`` that hands ``body`` over again (once read, a body is gone); then
     what ``rest`` (the connection's own ``receive``) says, or a disconnect."""
@@ -415,6 +472,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
     expected = f"Bearer {token}".encode() if token else None
 
     app.add_middleware(_FastHeartbeat, coord=coord)
+    app.add_middleware(_LargeRegistration, coord=coord)
     if coord.election is not None:
         app.add_middleware(_LeaderGate, coord=coord)
     app.add_middleware(_Guard, expected=expected, count=coord.metrics.request,  # added last: outermost
@@ -513,14 +571,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
 
     @app.post("/v1/replicas")
     async def register_replica(req: RegisterReplica) -> dict:
-        if req.release:  # a reader's last call of a read: release its leases, then register
-            rid, complete, released = await coord.acall(lambda now: st().release_and_register(now, req))
-        else:
-            (rid, complete), released = await coord.acall(lambda now: st().register_replica(now, req)), None
-        logger.debug("replica %s: %s v%d layout %r shard %d/%d on worker %s%s", rid or "(not registered)",
-                     req.model, req.version, req.layout, req.shard, req.num_shards, req.worker_id,
-                     " (partial)" if req.partial else " (version complete)" if complete else "")
-        return {"replica_id": rid, "complete": complete} | ({"released": released} if released is not None else {})
+        return await _register(coord, req)
 
     @app.get("/v1/models/{model}/versions/{version}")
     def version_info(model: str = _model(), version: int = _version()) -> dict:

@@ -259,3 +259,68 @@ def test_a_negative_number_of_slots_is_refused(tmp_path):
     p = subprocess.run([sys.executable, "-m", "tensorhub", "coordinator", "--state-dir", str(tmp_path),
                         "--call-slots", "-1"], capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "--call-slots must be >= 0" in p.stderr
+
+
+def _big_registration(n: int, worker: str = "trainer", version: int = 1, dtype: str = "float32") -> dict:
+    tensors = [{"name": f"model.layers.{i}.mlp.weight", "dtype": dtype, "shape": [4, 8], "nbytes": 128}
+               for i in range(n)]
+    return {"worker_id": worker, "model": "m", "version": version, "layout": "hf", "shard": 0, "num_shards": 1,
+            "manifest": {"tensors": tensors}, "addresses": [(1 << 32) + 4096 * i for i in range(n)]}
+
+
+def test_a_large_registration_is_parsed_off_the_loop_and_answered_as_the_route_would(tmp_path):
+    """A publisher's registration over 1 MB (``_LargeRegistration``: parsed on a thread)
+    registers the same manifest, bytes for bytes, as a small one through the route; a
+    large body that does not validate gets the route's 422; a wrong token is refused first;
+    a registration for a version never allocated is the route's 404/409."""
+    import json
+
+    from tensorhub.coordinator import _LARGE_BODY, EmbeddedCoordinator
+
+    n = 12_000
+    body = _big_registration(n)
+    assert len(json.dumps(body)) > _LARGE_BODY
+    with EmbeddedCoordinator(tmp_path / "state", config=CFG) as c, httpx.Client(base_url=c.url, timeout=60) as h:
+        assert h.post("/v1/workers", json={"worker_id": "trainer", "endpoint": "127.0.0.1:1"}).status_code == 200
+        small = _big_registration(8)
+        small["model"] = "small"
+        for m in ("m", "small"):
+            assert h.post(f"/v1/models/{m}/versions", json={}).json() == {"version": 1}
+        r = h.post("/v1/replicas", json=body)
+        assert r.status_code == 200 and r.json()["complete"] is True and r.json()["replica_id"], r.text
+        assert h.post("/v1/replicas", json=small).json()["complete"] is True  # the route: same answer's shape
+        got = h.get("/v1/models/m/versions/1/manifest?layout=hf&shard=0").json()
+        assert got["tensors"] == body["manifest"]["tensors"]
+        assert h.post("/v1/models/m/resolve", json={}).json() == {"version": 1}
+
+        bad = _big_registration(n, version=1, dtype="float33")
+        r = h.post("/v1/replicas", json=bad)
+        assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+        assert "dtype" in r.json()["detail"]
+        r = h.post("/v1/replicas", content=json.dumps(body).encode()[:-10], headers={"Content-Type": "application/json"})
+        assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+        r = h.post("/v1/replicas", json=_big_registration(n, version=7))
+        assert r.status_code in (404, 409) and r.json()["code"], r.text
+        # The state is as it was: the refused ones registered nothing.
+        assert h.get("/v1/models/m/versions/1/manifest?layout=hf&shard=0").json() == got
+
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    from tensorhub.testing import CoordinatorProcess
+
+    proc = CoordinatorProcess(tmp_path / "state2", token_file=token_file)
+    url = proc.start()
+    try:
+        with httpx.Client(base_url=url, timeout=60) as h:
+            r = h.post("/v1/replicas", json=body, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+            ok = {"Authorization": "Bearer s3cret"}
+            assert h.post("/v1/workers", json={"worker_id": "trainer", "endpoint": "127.0.0.1:1"},
+                          headers=ok).status_code == 200
+            assert h.post("/v1/models/m/versions", json={}, headers=ok).json() == {"version": 1}
+            r = h.post("/v1/replicas", json=body, headers=ok)
+            assert r.status_code == 200 and r.json()["complete"] is True, r.text
+            assert h.get("/v1/models/m/versions/1/manifest?layout=hf&shard=0",
+                         headers=ok).json()["tensors"] == body["manifest"]["tensors"]
+    finally:
+        proc.stop()
