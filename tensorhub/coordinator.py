@@ -231,15 +231,11 @@ class _Guard:
         """A gated call: its body is read first, and the slot is let go when the call
         waits for the disk (``before_disk_wait``) or its answer starts, so a client that
         sends its body slowly or does not read the answer, and a slow disk, hold no slot."""
-        body = b""
+        body: Optional[bytes] = b""
         if _has_body(scope):
-            more = True
-            while more:
-                msg = await receive()
-                if msg["type"] != "http.request":
-                    return  # the client went away
-                body += msg.get("body", b"")
-                more = msg.get("more_body", False)
+            body = await _read_body(receive)
+            if body is None:
+                return  # the client went away
         gate = self._gate
         assert gate is not None
         await gate.acquire(rank)
@@ -287,13 +283,9 @@ class _FastHeartbeat:
             return await self.app(scope, receive, send)
         reports: list[FetchReport] = []
         if _has_body(scope):  # fetch reports (``_Guard`` bounded its size)
-            body, more = b"", True
-            while more:
-                msg = await receive()
-                if msg["type"] != "http.request":
-                    return
-                body += msg.get("body", b"")
-                more = msg.get("more_body", False)
+            body = await _read_body(receive)
+            if body is None:
+                return
             try:
                 reports = Heartbeat.model_validate_json(body).fetches
             except ValueError:  # the route answers it (422 as always)
@@ -345,13 +337,9 @@ class _LargeRegistration:
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is None or not length.isdigit() or int(length) <= _LARGE_BODY:
             return await self.app(scope, receive, send)
-        body, more = b"", True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
+        body = await _read_body(receive)
+        if body is None:
+            return
         try:
             req = await asyncio.to_thread(_parse_registration, body)
         except ValueError:  # the route answers it (422 as always)
@@ -361,6 +349,18 @@ class _LargeRegistration:
         except CoordinatorError as e:
             resp = _not_leader(self.coord, scope) if e.code == NOT_LEADER else error_response(e)
         await resp(scope, receive, send)
+
+
+async def _read_body(receive: Callable[[], Any]) -> Optional[bytes]:
+    """A request's whole body (its chunks joined once), or None if the client went away."""
+    parts, more = [], True
+    while more:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        parts.append(msg.get("body", b""))
+        more = msg.get("more_body", False)
+    return b"".join(parts)
 
 
 def _replay(body: bytes, rest: Optional[Callable[[], Any]] = None) -> Callable[[], Any]:
