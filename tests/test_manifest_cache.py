@@ -148,3 +148,35 @@ def test_lease_answers_equal_the_grants_own_json_byte_for_byte():
     moved = rep(1, 100, addresses=[8192 * k for k in range(100)])  # same id, other memory
     g = LeaseGrant(lease_id="l-2", model="m", version=3, layout="hf", shard=0, num_shards=1, replicas=[moved], ttl=1.0)
     assert answers.encode(g) == g.model_dump_json().encode()
+
+
+@pytest.mark.parametrize("n", [0, 1, 2048, 2049, 3 * 2048 + 7, 20_000])
+@pytest.mark.parametrize("extra", ["none", "slices", "checksums"])
+def test_a_large_manifests_json_made_in_pieces_is_its_json_byte_for_byte(n, extra):
+    """``manifest_json`` makes a large manifest's canonical JSON in pieces (so no one call
+    holds the interpreter's lock for 50,000 tensors): the same bytes as ``model_dump_json``,
+    hence the same digest, with and without slices and checksums, names that need escaping."""
+    import math
+    import random
+
+    from tensorhub._checksum import count
+    from tensorhub._wire import DTYPE_SIZES, _pieced_json, manifest_digest, manifest_json
+
+    rng = random.Random(n)
+    tensors, slices = [], []
+    for i in range(n):
+        dt = rng.choice(sorted(DTYPE_SIZES))
+        shape = [rng.randint(1, 9) for _ in range(rng.randint(1 if extra == "slices" else 0, 3))]
+        tensors.append(TensorSpec(name=f'layer.{i}.w\u00e9"\\{rng.random()}', dtype=dt, shape=shape,
+                                  nbytes=math.prod(shape) * DTYPE_SIZES[dt]))
+        slices.append(SliceSpec(shape=[s * 2 for s in shape], offsets=[s for s in shape]))
+    kw: dict = {}
+    if extra == "slices":
+        kw["slices"] = slices
+    if extra == "checksums":
+        kw = {"checksum": "xxh3_64", "checksums": [rng.getrandbits(64) for _ in range(count([t.nbytes for t in tensors]))]}
+    m = Manifest(tensors=tensors, **kw)
+    whole = m.model_dump_json().encode()
+    assert _pieced_json(m) == whole
+    assert manifest_json(m) == whole
+    assert manifest_digest(m) == manifest_digest(Manifest.model_validate_json(whole))
