@@ -231,11 +231,9 @@ class _Guard:
         """A gated call: its body is read first, and the slot is let go when the call
         waits for the disk (``before_disk_wait``) or its answer starts, so a client that
         sends its body slowly or does not read the answer, and a slow disk, hold no slot."""
-        body: Optional[bytes] = b""
-        if _has_body(scope):
-            body = await _read_body(receive)
-            if body is None:
-                return  # the client went away
+        body = await _read_body(receive)  # every byte (an empty body is one message too)
+        if body is None:
+            return  # the client went away
         gate = self._gate
         assert gate is not None
         await gate.acquire(rank)

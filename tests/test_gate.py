@@ -148,6 +148,31 @@ def test_calls_further_along_a_read_go_first_and_a_cancelled_wait_frees_nothing_
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("body", [b"", b"1", b"\xff\xfe", b"{}", b'{"a": [1, 2]}' * 1000])
+def test_a_gated_call_gets_its_body_byte_for_byte(body):
+    """Whatever its size, down to 0-2 bytes (not taken for an empty object), in several
+    chunks too, the body a gated call reads is the one the client sent."""
+    async def main() -> None:
+        inner = _Inner()
+        inner.go.set()
+        guard = _Guard(inner, None, slots=1)
+        chunks = [body[i:i + 7] for i in range(0, len(body), 7)] or [b""]
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks)}
+
+        got: list = []
+
+        async def send(msg: dict) -> None:
+            got.append(msg)
+
+        scope = _scope("POST", "/v1/models/m/versions", body)
+        await asyncio.wait_for(guard(scope, receive, send), 1)
+        assert inner.bodies == [body] and got[0]["status"] == 200
+
+    asyncio.run(main())
+
+
 def test_a_slow_body_and_an_unread_answer_hold_no_slot():
     async def main() -> None:
         inner = _Inner()
