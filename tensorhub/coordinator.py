@@ -181,11 +181,11 @@ class _Guard:
     ten times its size in memory (a 48 MiB manifest of a million tiny tensors peaks near
     500 MiB before it is refused), so concurrent large requests cannot multiply that.
 
-    The readers' calls (``_GATED``) pass a gate of ``GATE_SLOTS``: the event loop runs
-    ready requests first come first served, so without it a heartbeat that arrives just
-    after a publish waits behind every reader's resolve, manifest GET and lease (1,024
-    readers: about a second of the loop); now behind at most ``GATE_SLOTS`` of them. Waiting
-    at the gate costs the loop nothing, and the readers' calls keep their order (FIFO)."""
+    The readers' and publishers' calls (``_GATED_RANKS``) pass a gate of ``GATE_SLOTS``
+    (``_Gate``): the event loop runs ready requests first come first served, so without it
+    a heartbeat that arrives just after a publish waits behind every reader's resolve,
+    manifest GET and lease (1,024 readers: about a second of the loop); now behind at most
+    ``GATE_SLOTS`` of them. Waiting at the gate costs the loop nothing."""
 
     def __init__(self, app: Any, expected: Optional[bytes], count: Optional[Callable[[str, str], None]] = None,
                  slots: int = GATE_SLOTS) -> None:
