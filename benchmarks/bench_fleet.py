@@ -270,6 +270,7 @@ class _Fleet:
                      link_bps: float, digest: str, tensors: int) -> None:
         if self.protocol == "reports":
             return await self.reader_reports(wid, model, ph, man_json, addrs_json, link_bps)
+        from tensorhub._planner import order_start
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         m = model
@@ -307,8 +308,8 @@ class _Fleet:
         cur = g["lease_id"]
         if not g.get("partial_replica_id"):
             self._error("POST leases (new, serving)", f"partial replica refused: {g.get('serve_refused')}")
-        # its order: ``chunk_order(n, start, reverse)``, a rotation from s
-        s0, rev = int(float(g.get("start", 0.0)) * n) % max(1, n), bool(g.get("reverse", False))
+        # its order: ``chunk_order(n, start, reverse)``, a rotation from s0
+        s0, rev = order_start(n, float(g.get("start", 0.0))), bool(g.get("reverse", False))
         self.have.setdefault(wid, 0)
         full = (1 << n) - 1
         receiving: list[int] = []
@@ -694,6 +695,12 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
     beaters = _Beaters(url, range(len(own), len(ids)), heartbeat,
                        max(2, connections // 4), beat_procs, seed) if beat_procs > 0 else None
     hb = asyncio.ensure_future(fl.heartbeats(own, heartbeat, stop, late))
+
+    def measure(ph: Optional[Phase]) -> None:
+        """What the figures from now on belong to (here and in the heartbeat processes)."""
+        fl.phase = ph
+        if beaters is not None:
+            beaters.tell("idle" if ph is None else f"phase {ph.name}")
     try:
         for ph in phases:
             while published < ph.history - 1:
@@ -717,23 +724,17 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
             # The publish itself, measured apart: the heartbeats answered while the coordinator
             # takes the trainer's 6 MB registration (and 0.3 s later, whatever it still does).
             pub = publishes[ph.name] = Phase(f"publish-{ph.name}", ph.chunks, ph.history)
-            fl.phase = pub
-            if beaters is not None:
-                beaters.tell(f"phase {pub.name}")
+            measure(pub)
             t_pub = time.perf_counter()
             ph.version = await fl.publish(model, trainer, man_json, addrs_json)
             await asyncio.sleep(0.3)
             pub.seconds = time.perf_counter() - t_pub
-            fl.phase = None
-            if beaters is not None:
-                beaters.tell("idle")
+            measure(None)
             published += 1
             c0, t0 = _cpu(pid), time.perf_counter()
             await asyncio.sleep(idle_seconds)  # heartbeats only: the baseline this phase's CPU is net of
             ph.idle_cpu_rate = (_cpu(pid) - c0) / (time.perf_counter() - t0)
-            fl.phase = ph
-            if beaters is not None:
-                beaters.tell(f"phase {ph.name}")
+            measure(ph)
             c0, t0, g0, m0 = _cpu(pid), time.perf_counter(), time.process_time(), _machine_busy()[0]
             link = link_gbps * 1e9
 
@@ -745,9 +746,7 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
             ph.seconds = time.perf_counter() - t0
             ph.cpu = _cpu(pid) - c0
             ph.gen_cpu, ph.machine_cpu = time.process_time() - g0, _machine_busy()[0] - m0
-            fl.phase = None
-            if beaters is not None:
-                beaters.tell("idle")
+            measure(None)
     finally:
         stop.set()
         await hb

@@ -83,10 +83,15 @@ def start_reverse(k: int) -> bool:
     return k % 2 == 1
 
 
+def order_start(num_chunks: int, start: float) -> int:
+    """The first chunk of ``chunk_order(num_chunks, start, ...)``."""
+    return int(start * num_chunks) % max(1, num_chunks)
+
+
 def chunk_order(num_chunks: int, start: float, reverse: bool = False) -> list[int]:
     """All chunk indices, starting at ``start`` (a fraction) and wrapping around; downwards
     when ``reverse``."""
-    s = int(start * num_chunks) % max(1, num_chunks)
+    s = order_start(num_chunks, start)
     if reverse:
         return list(range(s, -1, -1)) + list(range(num_chunks - 1, s, -1))
     return list(range(s, num_chunks)) + list(range(s))

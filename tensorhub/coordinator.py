@@ -242,11 +242,13 @@ class _Guard:
 
         def let_go() -> None:  # on the loop; from a route's worker thread, through the loop
             nonlocal held
+            if not held:  # (a commit wait asks twice: on the loop, then in its thread)
+                return
             if threading.get_ident() != on_loop:
                 loop.call_soon_threadsafe(let_go)
-            elif held:
-                held = False
-                gate.release()
+                return
+            held = False
+            gate.release()
 
         async def answer(msg: dict) -> None:
             if msg["type"] == "http.response.start":

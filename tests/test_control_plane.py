@@ -18,6 +18,8 @@ from tensorhub._store import SqliteStore
 from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
 from tensorhub.coordinator import Coordinator
 
+from _stores import SlowStore
+
 CFG = StateConfig(lease_ttl=10.0, worker_ttl=5.0, pause_grace=1e9, group_ttl=100.0, keep_versions=4)
 MAN = Manifest(tensors=[TensorSpec(name="w", dtype="float32", shape=(4,), nbytes=16)])
 
@@ -194,25 +196,8 @@ def test_public_lease_for_callers_outside_tensorhub(connect):
 
 
 # ---------------------------------------------------------------------- commits off the lock
-class _SlowStore(SqliteStore):
-    """The real SQLite store behind a disk that takes ``delay`` per commit (or fails)."""
-
-    def __init__(self, path, delay: float = 0.0) -> None:
-        super().__init__(path)
-        self.delay, self.fail, self.started = delay, False, threading.Event()
-
-    def commit(self, writes):
-        writes = list(writes)
-        if writes:
-            self.started.set()
-            time.sleep(self.delay)
-            if self.fail:
-                raise OSError("disk on fire")
-        super().commit(writes)
-
-
 def test_a_slow_disk_does_not_stall_heartbeats_and_answers_wait_for_what_they_saw(tmp_path):
-    store = _SlowStore(tmp_path / "state", delay=3.0)
+    store = SlowStore(tmp_path / "state", delay=3.0)
     coord = Coordinator(None, CFG, store=store)
     try:
         for w in ("trainer", "reader"):
@@ -239,7 +224,7 @@ def test_a_slow_disk_does_not_stall_heartbeats_and_answers_wait_for_what_they_sa
 
 
 def test_a_failed_commit_is_an_error_for_everyone_who_saw_it_and_is_rolled_back(tmp_path):
-    store = _SlowStore(tmp_path / "state", delay=1.0)
+    store = SlowStore(tmp_path / "state", delay=1.0)
     coord = Coordinator(None, CFG, store=store)
     try:
         assert coord.call(lambda now: coord.state.allocate_version(now, "m")) == 1

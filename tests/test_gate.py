@@ -6,16 +6,15 @@ no slot."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import httpx
 import pytest
 
 from tensorhub._coordinator import Coordinator
 from tensorhub._state import StateConfig
-from tensorhub._store import SqliteStore
 from tensorhub.coordinator import GATE_SLOTS, _Gate, _gate_rank, _Guard, create_app
+
+from _stores import SlowStore
 
 CFG = StateConfig(lease_ttl=10.0, worker_ttl=30.0, pause_grace=1e9, group_ttl=100.0, keep_versions=4)
 
@@ -202,27 +201,11 @@ def test_a_slow_body_and_an_unread_answer_hold_no_slot():
     asyncio.run(main())
 
 
-class _SlowStore(SqliteStore):
-    """The real SQLite store behind a disk that takes ``delay`` per commit; records how
-    many writes each commit carried."""
-
-    def __init__(self, path, delay: float) -> None:
-        super().__init__(path)
-        self.delay, self.batches = delay, []
-
-    def commit(self, writes):
-        writes = list(writes)
-        if writes:
-            self.batches.append(len(writes))
-            time.sleep(self.delay)
-        super().commit(writes)
-
-
 def test_a_call_waiting_for_the_disk_lets_go_of_its_slot(tmp_path):
     """More publishers than slots allocate versions on a slow disk: each lets go of its slot
     while its commit waits, so the next ones get in and their writes share commits (group
     commit) instead of one slow commit per slot's turn."""
-    store = _SlowStore(tmp_path / "state", delay=0.5)
+    store = SlowStore(tmp_path / "state", delay=0.5)
     coord = Coordinator(None, CFG, store=store)
     n = 3 * GATE_SLOTS
 
