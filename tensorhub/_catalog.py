@@ -175,6 +175,11 @@ class Catalog:
         if version is None and request_id is not None:
             hit = self.allocations.get((model, request_id))
             if hit is not None:
+                if hit not in self.models[model].versions:  # abandoned and retired since
+                    raise ConflictError(
+                        f"version {hit} of {model!r}, allocated for request {request_id!r}, was retired "
+                        "(abandoned: nothing was registered for it in time); publish again with a new "
+                        "request id", "version_retired")
                 return hit
         m = self.models.get(model)
         if m is None:

@@ -36,7 +36,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 __all__ = [
     "CoordinatorMetrics",
@@ -85,6 +85,7 @@ class CoordinatorMetrics:
         self.requests = Counter("tensorhub_requests", "HTTP requests answered, by route (method and path "
                                 "template; at most 64 routes, the rest counted as 'other').", ["route"], registry=r)
         self._routes: dict[str, Any] = {}
+        self._known: Optional[set[str]] = None  # the app's routes (``known_routes``); None: any
         self.swap_stall = Histogram("tensorhub_swap_stall_seconds",
                                     "Engine stalls while switching weight versions (seconds), as engines report.",
                                     ["model"], buckets=SECONDS_BUCKETS, registry=r)
@@ -96,14 +97,22 @@ class CoordinatorMetrics:
         r.register(_StateCollector(view))
 
     def request(self, method: str, path: str) -> None:
-        """Count one HTTP request under its route (``POST /v1/leases/{id}/renew``)."""
+        """Count one HTTP request (the shell calls it for authenticated ones only) under its
+        route (``POST /v1/leases/{id}/renew``). Only the app's own routes get a label
+        (:meth:`known_routes`); any other method and path counts as ``other``, so requests
+        cannot make label values up."""
         route = _route(method, path)
         c = self._routes.get(route)
         if c is None:
-            if len(self._routes) >= 64:
+            if (self._known is not None and route not in self._known) or len(self._routes) >= 64:
                 route = "other"
             c = self._routes.setdefault(route, self.requests.labels(route))
         c.inc()
+
+    def known_routes(self, routes: Iterable[tuple[str, str]]) -> None:
+        """The app's routes, ``(method, path template)`` as declared (``/v1/leases/{lease_id}``):
+        the only label values :meth:`request` gives."""
+        self._known = {_route(m, p) for m, p in routes}
 
     def track_election(self, election: Any) -> None:
         """Highly available coordinators (``_election.Election``): its role and counts."""

@@ -44,6 +44,12 @@ Invariants this module keeps (DESIGN.md, "Protocol and its invariants"):
    pipelined readers and only for chunks its holder reported complete under a lease that
    was valid at that moment; it never counts for completeness or retention. Source
    choice and seeding are ``_planner``'s pure functions.
+13. A worker's removal (expiry, close, a new endpoint) never ends its read leases: each
+    stays, counted by ``unpublish``, until released or lapsed on this clock (a reader cut
+    off from the coordinator still trusts it up to 0.98 x ``lease_ttl``).
+14. Retention never retires a version that is allocated and not yet complete while it is
+    the newest allocated one (a publish in progress), nor one a retried allocation's
+    request id still answers with.
 
 Observability (no decision depends on it): readers report their fetches
 (``record_fetch``: live progress while running, bytes per source at the end) and engines
@@ -59,6 +65,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from . import _addresses
+from ._checksum import count
 from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
 from ._exceptions import ConflictError, ManifestMismatchError, NotFoundError, RetentionError
 from ._grants import KEPT, Grants
@@ -116,6 +123,11 @@ class StateConfig:
     #: Striped plans for pipelined readers where one source is scarce (``_stripes``);
     #: False: the readers choose chunks among their sources by their chunk maps alone.
     plans: bool = True
+    #: An allocated version that is not complete is a publish in progress (its ranks may not
+    #: have registered anything yet): retention keeps it for this long after its allocation
+    #: (on this incarnation's clock; one restored from the store counts from the restart),
+    #: and for as long as anything names it; then it is abandoned and may be retired.
+    abandon_after: float = 600.0
 
     @property
     def gap(self) -> float:
@@ -158,6 +170,11 @@ class CoordinatorState(Grants):
         #: (shard key, worker) -> the plan it is a member of.
         self.plans: dict[tuple, Plan] = {}
         self.plan_of: dict[tuple, tuple] = {}
+        #: (model, version) -> when this incarnation allocated it, while it is not complete
+        #: (retention's ``abandon_after``; soft: a restored version counts from the boot).
+        self.allocated_at: dict[tuple[str, int], float] = {}
+        #: (model, version, layout, shard) -> (its manifest, chunks of its grid).
+        self._grid_counts: dict[tuple, tuple[Manifest, int]] = {}
 
     # Read-only views (the tables live in the catalog and the registry).
     @property
@@ -236,13 +253,19 @@ class CoordinatorState(Grants):
         return w
 
     def remove_worker(self, now: float, worker_id: str) -> int:
-        """A client closes: its replicas and leases go. Returns how many replicas went."""
+        """A client closes, or is expired: its replicas go (leased ones as tombstones,
+        invariant 8). Returns how many replicas went.
+
+        Its own **read leases stay** (invariant 13): a reader cut off from the coordinator
+        is expired after ``worker_ttl`` but trusts its leases for up to 0.98 x ``lease_ttl``
+        (``_fencing.LeaseClock``) and may still be reading. Each stays a fenced record --
+        counted by every ``unpublish`` of what it names -- until it is released (the reader
+        came back) or lapses on this clock (``lease_ttl`` after its grant or renewal), never
+        earlier than the reader stops trusting it."""
         now = self._now(now)
         if worker_id not in self.workers:
             raise NotFoundError(f"unknown worker {worker_id!r}", "unknown_worker")
         del self.workers[worker_id]
-        for l in self.registry.leases_of_worker(worker_id):
-            self.registry.drop_lease(l.lease_id)
         return self._drop_worker_replicas(now, worker_id)
 
     def _drop_worker_replicas(self, now: float, worker_id: str) -> int:
@@ -305,8 +328,15 @@ class CoordinatorState(Grants):
                     return gone  # the rest on the next tick: one commit stays small (etcd's txn limit)
                 if v > m.newest or v in kept or (name, v) in asked or self.registry.in_use(name, v):
                     continue
+                if not m.versions[v].complete and \
+                        now - self.allocated_at.get((name, v), self.boot_time) <= self.config.abandon_after:
+                    continue  # a publish in progress (invariant 14)
                 self.catalog.retire(name, v)
+                self.allocated_at.pop((name, v), None)
                 gone.append((name, v))
+        for key in [k for k in self.allocated_at if k[0] not in self.models
+                    or k[1] not in self.models[k[0]].versions or self.models[k[0]].versions[k[1]].complete]:
+            del self.allocated_at[key]
         return gone
 
     # ----------------------------------------------------------------- versions
@@ -320,7 +350,11 @@ class CoordinatorState(Grants):
         (``Catalog.allocate``: never reused; a retry with the same ``request_id`` gets the
         first answer)."""
         now = self._now(now)
-        return self.catalog.allocate(now, model, version, request_id)
+        v = self.catalog.allocate(now, model, version, request_id)
+        vi = self.catalog.models[model].versions.get(v)
+        if vi is not None and not vi.complete:
+            self.allocated_at.setdefault((model, v), now)
+        return v
 
     def latest(self, model: str, newer_than: Optional[int] = None) -> Optional[int]:
         """Newest complete version (or None); ``newer_than`` only filters."""
@@ -411,11 +445,22 @@ class CoordinatorState(Grants):
         where = f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}"
         if known is None:
             raise ConflictError(f"partial replica of {where}, which has no complete replica yet", "unknown_layout")
-        grid = self._chunk_bytes(ShardKey(req.model, req.version, req.layout, req.shard), known)
-        if req.chunk_bytes != grid or req.num_chunks < 1:
+        key = ShardKey(req.model, req.version, req.layout, req.shard)
+        grid = self._chunk_bytes(key, known)
+        if req.chunk_bytes != grid or req.num_chunks != self._grid_chunks(key, known):
             raise ConflictError(
                 f"partial replica of {where}: chunk grid {req.chunk_bytes} bytes x {req.num_chunks} "
-                f"!= the shard's {grid} bytes", "bad_chunk_grid")
+                f"!= the shard's {grid} bytes x {self._grid_chunks(key, known)}", "bad_chunk_grid")
+
+    def _grid_chunks(self, key: ShardKey, known: Manifest) -> int:
+        """How many chunks the shard's grid has (``_checksum.count``: pieces per chunk are
+        capped too, so not simply size / chunk bytes), remembered per manifest."""
+        hit = self._grid_counts.get(key)
+        if hit is None or hit[0] is not known:
+            hit = self._grid_counts[key] = (known, count([t.nbytes for t in known.tensors]))
+            while len(self._grid_counts) > KEPT:
+                self._grid_counts.pop(next(iter(self._grid_counts)))
+        return hit[1]
 
     def add_chunks(self, now: float, replica_id: str, worker_id: str, chunks: Iterable[int],
                    lease_ids: Iterable[str] = (), coming: Optional[Iterable[int]] = None) -> int:
@@ -475,10 +520,14 @@ class CoordinatorState(Grants):
             r.replica_id for r in self.registry.replicas_of_worker(worker_id)
             if r.model == model and r.version == version and (only is None or r.replica_id in only)
         }
+        # Tombstones named by id (a partial replica that became one while the holder still
+        # names it) and those of the same layout and shard as a named live replica (the
+        # holder re-registered the same memory under a new id).
         parts = {(self.replicas[rid].layout, self.replicas[rid].shard) for rid in mine}
         fenced = {
             r.replica_id for r in self.registry.tombstones_of_worker(worker_id)
-            if r.model == model and r.version == version and (only is None or (r.layout, r.shard) in parts)
+            if r.model == model and r.version == version
+            and (only is None or r.replica_id in only or (r.layout, r.shard) in parts)
         }
         window = self.restored and now <= self.boot_time + self.config.lease_ttl
         if not mine and not fenced:

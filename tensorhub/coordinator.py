@@ -196,8 +196,6 @@ class _Guard:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.count is not None:  # ``tensorhub_requests_total{route}``: calls per reader, per version
-            self.count(scope["method"], scope["path"])
         auth = length = chunked = None
         for k, v in scope["headers"]:
             if k == b"authorization" and auth is None:
@@ -220,6 +218,8 @@ class _Guard:
             refuse = JSONResponse({"code": "length_required", "detail": "send Content-Length"}, 411)
         if refuse is not None:
             return await refuse(scope, receive, send)
+        if self.count is not None:  # ``tensorhub_requests_total{route}``: authenticated calls only
+            self.count(scope["method"], scope["path"])
         rank = _gate_rank(scope["method"], scope["path"]) if self._gate is not None else None
         inner = self.app if rank is None else functools.partial(self._gated, rank=rank)
         if length is not None and int(length) > _LARGE_BODY:
@@ -677,6 +677,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         """Prometheus metrics (text exposition format). Needs the token like ``/v1``."""
         return _PrometheusText(coord.metrics.exposition())
 
+    coord.metrics.known_routes((m, r.path) for r in app.routes for m in (getattr(r, "methods", None) or ()))
     return app
 
 

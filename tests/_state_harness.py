@@ -33,7 +33,13 @@ plane at a time"):
 
 **Safety property** (checked on every acceptance, no exemption): every buffer the lease
 named held the leased version when the lease named it, and its generation did not change
-between then and the release. Also checked on every state: ``latest`` is a version whose
+between then and the release. **Rule 3** (``World(trust_check=True)``, checked on every
+overwrite): no reader still trusts, by its own bound, a lease that named the buffer at the
+generation being overwritten -- "the coordinator's expiry is never earlier" than the
+reader's bound, whatever happened to the reader's registration (expired while cut off,
+removed, back again). It assumes what the real coordinator's ``time.monotonic()`` gives: a
+clock that never runs ahead of true time, so worlds with forward clock steps check the
+acceptance property only (a reader there learns from ``release`` that its lease lapsed). Also checked on every state: ``latest`` is a version whose
 replica was registered (complete), the counter covers every version handed out, and
 versions handed out strictly increase (never reused, also across restarts).
 
@@ -157,8 +163,11 @@ class Stats:
 class World:
     """The state machine plus holders, readers, true time and the coordinator's clock offset."""
 
-    def __init__(self, scope: Scope, config: Optional[StateConfig] = None, holder_fence: bool = False) -> None:
+    def __init__(self, scope: Scope, config: Optional[StateConfig] = None, holder_fence: bool = False,
+                 trust_check: bool = False) -> None:
         self.scope = scope
+        #: Check rule 3 on every overwrite (module docstring); only without forward clock steps.
+        self.trust_check = trust_check
         #: The Hub's holder rule (``tensorhub/_fencing.py``): a holder that learns it was
         #: dropped (expired, or the coordinator restarted) does not overwrite what it held
         #: then for one more ``lease_ttl``, even after ``drained``. Off: the state machine alone.
@@ -240,6 +249,14 @@ class World:
 
     def _overwrite(self, h: str, b: int) -> None:
         buf = self.holders[h].buffers[b]
+        if self.trust_check:
+            for r, rd in self.readers.items():
+                l = rd.lease
+                read = None if l is None else l.reads.get((h, b))
+                if read is not None and read.held_version and read.gen == buf.gen and self.t <= l.trusted_until:
+                    self.fail(f"{h} overwrites buffer {b} (v{buf.version}, gen {buf.gen}) while {r} still trusts "
+                              f"{l.lease_id} on it (until t={l.trusted_until:g}): the coordinator let it drain "
+                              "before the reader's own bound")
         buf.gen += 1
         buf.version, buf.pending, buf.waiting = None, False, False
         self.stats.drained += 1
@@ -333,6 +350,19 @@ class World:
             self.s.expire(self.c)
         self._heartbeat(h)
         self._settle()
+
+    def reader_cut(self, r: str) -> None:
+        """Macro: reader ``r`` is cut off from the coordinator for ``worker_ttl`` + one tick
+        (it cannot renew or release; everyone else heart-beats and the coordinator expires
+        every tick, so it is expired while it holds its lease and keeps reading), then its
+        heartbeat comes back (answered "unknown worker": it registers again)."""
+        self._log(f"reader {r} cut off for {self.scope.worker_ttl + self.scope.tick:g}")
+        for _ in range(int(round(self.scope.worker_ttl / self.scope.tick)) + 1):
+            self.t += self.scope.tick
+            self._heartbeats(skip=r)
+            self.s.expire(self.c)
+            self._settle()
+        self._heartbeat(r)
 
     def set_partitioned(self, w: str, on: bool) -> None:
         self._log(f"{w} {'cut off from' if on else 'reconnected to'} the coordinator")

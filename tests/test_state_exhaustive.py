@@ -19,7 +19,8 @@ its heartbeat registers it again, its replicas in a later ``rereg`` step); publi
 unpublish (drained => the buffer is overwritten at once); rereg; acquire; renew; release;
 reader crash; coordinator clock step of -5 or +5 (beyond ``lease_ttl``); coordinator pause
 of 3 s; coordinator restart. One search without restarts, one with restarts, one with the
-Hub's holder fence (clock steps of both signs in each).
+Hub's holder fence (clock steps of both signs in each), and one where readers holding a
+lease are cut off and expired (``reader_cut``) with rule 3 checked on every overwrite.
 
 Measured here (2 shared cores): depth 6 is ~14,000 states per search, 6-10 s each; with
 ``STATE_DEPTH=7`` ~70,000 states and ~80 s each. The traces below failed on
@@ -27,7 +28,7 @@ Measured here (2 shared cores): depth 6 is ~14,000 states per search, 6-10 s eac
 
 Not modelled here (``test_state_model.py`` covers them at random): more holders, readers
 or versions, endpoint changes, ``remove_worker``, lease refresh, idempotent retries,
-reader partitions, times between ticks. Not modelled at all: pipelined partial replicas,
+reader partitions other than ``reader_cut``, times between ticks. Not modelled at all: pipelined partial replicas,
 multi-shard layouts, source failure reports, call latency (see ``tests/_state_harness.py``).
 """
 
@@ -47,7 +48,7 @@ PAUSE = 3.0
 
 
 def actions(w: World, publishers=("h0",), copiers=("h1",), steps=(-STEP, STEP),
-            restarts: bool = True) -> list[tuple]:
+            restarts: bool = True, reader_cuts: bool = False) -> list[tuple]:
     sc = w.scope
     acts: list[tuple] = [("tick", sc.tick), ("pause", PAUSE)]
     acts += [("step", d) for d in steps]
@@ -69,14 +70,17 @@ def actions(w: World, publishers=("h0",), copiers=("h1",), steps=(-STEP, STEP),
             acts += [("acquire", r, v) for v in w.issued]
         else:
             acts += [("renew", r), ("release", r), ("crash", r)]
+            if reader_cuts:
+                acts.append(("reader_cut", r))
     return acts
 
 
-def explore(depth: int, collect: Optional[list] = None, holder_fence: bool = False, **kw) -> dict:
+def explore(depth: int, collect: Optional[list] = None, holder_fence: bool = False, trust_check: bool = False,
+            **kw) -> dict:
     """Breadth-first search; raises ``Violation`` (with the shortest trace) on a failure,
     or with ``collect`` appends it there and does not expand that state."""
     t0 = time.perf_counter()
-    root = World(Scope(), holder_fence=holder_fence)
+    root = World(Scope(), holder_fence=holder_fence, trust_check=trust_check)
     seen = {root.key()}
     frontier = [pickle.dumps(root, pickle.HIGHEST_PROTOCOL)]  # states as bytes: a copy per child
     transitions = accepted = 0
@@ -158,8 +162,28 @@ def test_with_the_hubs_holder_fence_restarts_keep_leased_bytes_unchanged():
     _report("with restarts and the holder fence", DEPTH - 1, stats)
 
 
-def replay(*actions: tuple, holder_fence: bool = False) -> World:
-    w = World(Scope(), holder_fence=holder_fence)
+def test_readers_cut_off_and_expired_never_see_their_bytes_overwritten():
+    """Issue 30: readers holding a lease may be cut off from the coordinator for
+    ``worker_ttl`` + 1 tick (expired meanwhile, then back), and rule 3 is checked on every
+    overwrite: no reader still trusts (own bound) a lease on the overwritten generation.
+    Restarts included; clock steps backward only (rule 3 assumes a coordinator clock that
+    never runs ahead: the real one is ``time.monotonic()``; forward steps are searched above
+    with the acceptance check)."""
+    stats = explore(DEPTH, steps=(-STEP,), reader_cuts=True, trust_check=True)
+    _report("reader cuts, rule 3 on every overwrite", DEPTH, stats)
+    assert stats["states"] > 1000 and stats["accepted"] > 100  # not vacuous
+
+
+def test_expired_reader_keeps_its_lease_shortest_trace():
+    """The shortest trace the search above finds on b990e80: r0 reads v1 from h0 and is
+    cut off; the coordinator expires it and (then) dropped its lease, so h0's unpublish of
+    v1 answered drained and h0 overwrote the buffer while r0 still trusted its lease."""
+    replay(("publish", "h0"), ("acquire", "r0", 1), ("publish", "h0"), ("reader_cut", "r0"),
+           ("unpublish", "h0", 1), ("tick", 1.0), ("release", "r0"), trust_check=True)
+
+
+def replay(*actions: tuple, holder_fence: bool = False, trust_check: bool = False) -> World:
+    w = World(Scope(), holder_fence=holder_fence, trust_check=trust_check)
     for a in actions:
         w.apply(a)
         w.check()

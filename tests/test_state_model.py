@@ -3,7 +3,8 @@
 A hypothesis ``RuleBasedStateMachine`` drives ``tests/_state_harness.World`` -- the real
 ``CoordinatorState`` plus holders' buffers, readers' reads, true time and the
 coordinator's clock -- through random interleavings, and checks the safety property on
-every acceptance with no exemption: a reader that accepts (release answered True and its
+every acceptance with no exemption (and, in the machine without forward clock steps, rule 3
+on every overwrite: no reader still trusts a lease on the bytes overwritten): a reader that accepts (release answered True and its
 own bound, last grant/renewal send + ``lease_ttl``, still holds) read only buffers that
 held the leased version when the lease named them and were not overwritten since. Every
 step also checks that ``latest`` only returns complete versions and that versions handed
@@ -21,7 +22,8 @@ does), a holder re-registering with a new endpoint, a holder removed (``remove_w
 that comes back, coordinator clock steps, a coordinator pause longer than ``worker_ttl``,
 a coordinator restart (durable rows into ``restore``) with leases in flight, and retried
 requests whose first answer was lost (``request_id``, rule 5; the reader's bound counts
-from the first send). Time is continuous: ticks of at most the pause grace, each followed
+from the first send), and a reader holding a lease cut off until it is expired, then back
+(``reader_cut``). Time is continuous: ticks of at most the pause grace, each followed
 by the coordinator's ``expire``. Swarm testing: each run allows a random subset of the
 faults, so the ones it allows meet more often. Two machines: with restarts and backward
 clock steps; with clock steps of both signs and restarts (a forward step followed by a
@@ -69,7 +71,7 @@ PICK = st.integers(0, 7)
 #: What a run may do besides ticks, publishing, copying, unpublishing, acquiring and
 #: releasing (swarm testing: each run draws a subset).
 FAULTS = ("partition", "cut_off", "clock_step", "pause", "restart", "new_endpoint", "removed",
-          "renew", "refresh", "crash", "retry")
+          "renew", "refresh", "crash", "retry", "reader_cut")
 
 
 def _pick(options: list, pick: int):
@@ -83,10 +85,12 @@ class ConsistencyMachine(RuleBasedStateMachine):
     #: Coordinator clock steps this run may take, and whether the coordinator may restart.
     STEPS: tuple[float, ...] = (-12.0, -3.0, -0.5)
     RESTARTS = True
+    #: Rule 3 on every overwrite (``_state_harness``): only where the clock never steps forward.
+    TRUST_CHECK = True
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = World(SCOPE)
+        self.w = World(SCOPE, trust_check=self.TRUST_CHECK)
         self.on: frozenset[str] = frozenset(FAULTS)
         self.renewers: frozenset[str] = frozenset()
 
@@ -139,6 +143,14 @@ class ConsistencyMachine(RuleBasedStateMachine):
         w = _pick([*SCOPE.holders, *SCOPE.readers], pick)
         now = (self.w.holders[w] if w in self.w.holders else self.w.readers[w]).partitioned
         self.w.set_partitioned(w, not now)
+
+    @precondition(lambda self: "reader_cut" in self.on)
+    @precondition(lambda self: self._readers(leased=True))
+    @rule(pick=PICK)
+    def reader_cut(self, pick: int) -> None:
+        """A reader holding a lease is cut off for worker_ttl + a tick (expired meanwhile,
+        reading on), then back."""
+        self.w.reader_cut(_pick(self._readers(leased=True), pick))
 
     @precondition(lambda self: "clock_step" in self.on)
     @rule(pick=PICK)
@@ -240,6 +252,7 @@ class ForwardStepMachine(ConsistencyMachine):
 
     STEPS = (-12.0, -3.0, -0.5, 0.5, 3.0, 12.0)
     RESTARTS = True
+    TRUST_CHECK = False  # a clock that runs ahead ends leases early in true time: the acceptance check
 
 
 SHRINK = os.environ.get("STATE_MODEL_SHRINK", "1") == "1"
