@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from tensorhub import ConfigError, envs
@@ -34,7 +34,7 @@ from .settings import Settings, SettingsError
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineHooks", "WorkerState", "connect", "get_state", "open_hub", "probe", "resolve", "version_status",
-           "fetch", "serve_in_place", "withdraw", "read_disk", "publish_disk"]
+           "fetch", "serve_in_place", "withdraw", "read_disk", "publish_disk", "engine_quiet", "off_engine_cores"]
 
 
 def one_group(names: list) -> list:
@@ -77,10 +77,136 @@ class WorkerState:
     layout: Optional[str] = None  # the engine-native layout's name (the adapter's fingerprint)
     native: bool = False  # the parameters are registered in place as ``version`` in ``layout``
     hooks: EngineHooks = LONE
+    retired: list = field(default_factory=list)  # old (version, copy) whose readers had not drained
+    pending_borrow: Any = None  # a start in place's open Borrowed, until the loader hands it to keep_borrowed
+    keeper: Optional[threading.Thread] = None  # making the hf copy after a start in place (keep_borrowed)
+    _copies: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def engine(self) -> EngineRanks:
         """This worker's engine, every rank of every stage (collectives go over it)."""
         return self.hooks.ranks()
+
+    def retire(self, old_v: Optional[int], old_copy: Any, reason: str = "") -> None:
+        """Stop serving ``old_v``'s ``hf`` copy (and copies retired earlier) and let them go
+        once their readers drained; a copy whose readers did not drain stays referenced
+        here (its memory untouched) and is tried again next time. (vLLM's state also keeps
+        one drained copy as its next swap's destination.)"""
+        import tensorhub
+
+        s = self.settings
+        if reason:
+            logger.info("tensorhub: dropping the fetched %s v%s: %s", s.model, old_v, reason)
+        with self._copies:
+            pending = list(self.retired)
+            if old_v is not None and old_copy is not None:
+                pending.append((old_v, old_copy))
+            self.retired = []
+            for v, copy in pending:
+                try:
+                    self.hub.unpublish(s.model, v, timeout=s.drain_timeout)
+                except tensorhub.NotFoundError:
+                    pass  # not held (any more)
+                except tensorhub.TensorHubError as e:
+                    logger.warning("tensorhub: keeping %s v%d allocated: %s", s.model, v, e)
+                    self.retired.append((v, copy))
+                    continue
+                self.drained(copy)
+
+    def drained(self, copy: Any) -> None:
+        """A retired copy nobody reads any more (nothing here: it is freed with its last
+        reference; vLLM keeps one as its next swap's destination)."""
+
+    def keep_borrowed(self, borrowed: Any, v: int) -> None:
+        """After a start in place (``load.borrow_into``): make this serving rank's ``hf``
+        copy of ``v`` from the borrowed memory on a background thread that gives way to the
+        engine (:func:`off_engine_cores`, after :func:`engine_quiet`), release the lease,
+        register the copy (``publish`` of ``v``: the coordinator checks its checksums) and
+        keep it as :attr:`copy`. The engine answers requests meanwhile; it serves ``v`` once
+        the copy is in. If the lease lapsed during the copy, the copy is dropped and ``v``
+        fetched instead. A swap waits for this first (:meth:`wait_kept`)."""
+        self.keeper = threading.Thread(target=self._keep, args=(borrowed, v), name="tensorhub-keep", daemon=True)
+        self.keeper.start()
+
+    def _keep(self, borrowed: Any, v: int) -> None:
+        import tensorhub
+
+        from .load import copy_bytes
+
+        s = self.settings
+        off_engine_cores()
+        waited = engine_quiet()
+        t0 = time.monotonic()
+        copy: Any = None
+        try:
+            copy = self.hub.empty_like(borrowed)  # Hub memory: same-host readers copy from it in turn
+            copy_bytes(copy, borrowed)
+            borrowed.release()
+            self.hub.publish(s.model, copy, version=v, layout="hf")
+            how = "copied from the borrowed memory"
+        except Exception as e:
+            borrowed.release_quietly()
+            copy = None
+            logger.warning("tensorhub: keeping %s v%d from the borrowed memory failed (%s); fetching it", s.model, v,
+                           e if isinstance(e, tensorhub.TensorHubError) else repr(e))
+            try:
+                copy = fetch(self, v)
+                how = "fetched"
+            except Exception as e2:
+                logger.warning("tensorhub: the engine runs %s v%d but serves no hf copy of it: %s", s.model, v, e2)
+                return
+        with self._copies:
+            current = self.version == v and self.copy is None
+            if current:
+                self.copy = copy
+        if not current:
+            self.retire(v, copy, reason="the engine moved on while it was being copied")
+            return
+        logger.info("tensorhub: worker %s serves its hf copy of %s v%d (%s in the background in %.2fs, "
+                    "after %.2fs waiting for the engine's start to quiet down)",
+                    self.hub.worker_id, s.model, v, how, time.monotonic() - t0, waited)
+
+    def wait_kept(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) for :meth:`keep_borrowed`'s copy: a swap then finds the
+        running version's copy where it expects it."""
+        k = self.keeper
+        if k is not None:
+            k.join(timeout)
+
+
+def engine_quiet(limit: float = 10.0, window: float = 0.2, busy: float = 0.5) -> float:
+    """Wait until this worker process has used less than ``busy`` of a core over ``window``
+    seconds (the engine's start after the load -- vLLM's profiling, KV cache and warm-up,
+    SGLang's memory pool and graphs -- is done), at most ``limit`` seconds; returns the
+    seconds waited. Why: a background copy of the model into new memory right after the
+    load (page faults, memory bandwidth) made vLLM's "init engine" step 0.5 -> 1.3 s on the
+    test VM; idle, the engine loses nothing to it."""
+    t0 = time.monotonic()
+    used = sum(os.times()[:2])
+    while time.monotonic() - t0 < limit:
+        time.sleep(window)
+        now = sum(os.times()[:2])
+        if now - used < busy * window:
+            break
+        used = now
+    return time.monotonic() - t0
+
+
+def off_engine_cores() -> None:
+    """Make the calling thread (Linux: per thread) give way to the engine: off the cores
+    the engine's threads are pinned to (vLLM's CPU worker pins its OpenMP threads, and
+    every thread they start, to its cores; the others are left to its front-end processes),
+    onto the others (every core when it has them all), at nice 10 (the front end's start
+    goes first; unlike nice 19, a busy host still lets it finish). Best effort."""
+    try:
+        mine = os.sched_getaffinity(0)
+        every = set(range(os.cpu_count() or 1))
+        os.sched_setaffinity(0, (every - mine) or every)
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 _LOCK = threading.Lock()

@@ -8,7 +8,10 @@ Runs in every SGLang TP worker (scheduler process), inside ``ModelRunner``'s
    stage 0's TP rank 0, decides; every rank of every stage loads that number);
 2. fetch it: this rank's native shard when the version is complete in this engine's
    native layout (raw parameter bytes, copied in place), else the ``hf`` layout fed to
-   ``model.load_weights`` in buckets; then SGLang's post-processing, as its default
+   ``model.load_weights`` in buckets -- read in place from a same-host holder's Hub
+   memory when there is one (``load.borrow_into``: no copy of our own before the engine
+   is up; the serving rank makes its ``hf`` copy from it in the background afterwards,
+   ``WorkerState.keep_borrowed``); then SGLang's post-processing, as its default
    loader does. With no complete version, ``on_missing`` decides: ``disk`` reads
    ``--model-path DIR``'s safetensors (and publishes them), ``wait`` waits, ``error``
    stops the start with one line naming the setting;
@@ -65,12 +68,21 @@ def make_loader_class() -> type:
             if v is None:  # on_missing="disk"
                 self._from_disk(st, model, model_config.model_path, target)
                 return
-            if layout != "hf":
-                post_load_weights(model)  # raw native bytes: SGLang's fix-up, as its remote_instance loader
-            DefaultModelLoader.postprocess_weights(model, target)
-            _native.publish(st, model, v)
+            borrowed, st.pending_borrow = st.pending_borrow, None  # a start in place (same-host holder)
+            try:
+                if layout != "hf":
+                    post_load_weights(model)  # raw native bytes: SGLang's fix-up, as its remote_instance loader
+                DefaultModelLoader.postprocess_weights(model, target)
+                _native.publish(st, model, v)
+            except BaseException:
+                if borrowed is not None:
+                    borrowed.release_quietly()
+                raise
+            if borrowed is not None:  # the serving rank's hf copy, made in the background from it
+                st.keep_borrowed(borrowed, v)
             logger.info("tensorhub: tp rank %d runs %s v%d%s", st.rank, s.model, v,
-                        " and serves its hf copy" if st.copy is not None else "")
+                        " and serves its hf copy" if st.copy is not None else
+                        " and serves its hf copy once copied (in the background)" if borrowed is not None else "")
 
         def _from_disk(self, st: Any, model: Any, model_dir: str, target: Any) -> None:
             from sglang.srt.model_loader.loader import DefaultModelLoader

@@ -105,8 +105,9 @@ def swap(st: WorkerState, model: Any, requested: Union[int, str], *, what: str =
     layout read."""
     s = st.settings
     t0 = time.monotonic()
+    st.wait_kept(s.fetch_timeout)  # a start in place still copying the running version: let it finish
     old_v = st.version
-    got, layout, err = None, "hf", None
+    got, layout, err, borrowed = None, "hf", None, None
     v: Optional[int] = None
     try:
         v = worker.resolve(st, requested, on_missing=on_missing, what=what)
@@ -114,7 +115,14 @@ def swap(st: WorkerState, model: Any, requested: Union[int, str], *, what: str =
             # Every rank of a stage reads the same layout: its TP rank 0 looks, the stage's
             # TP group follows (the native layout's name differs per stage).
             layout = _runtime.stage().broadcast(_choose(st, model, v))
-            got = worker.fetch(st, v, layout, shard=st.rank)
+            if layout == "hf" and old_v is None and not publish:
+                # The start: a same-host holder's memory is loaded in place (no copy of our
+                # own on the way); each rank on its own (None: it fetches, below).
+                borrowed = load.borrow_into(st, model, v, s.bucket_bytes)
+            if borrowed is not None:
+                got = borrowed
+            else:
+                got = worker.fetch(st, v, layout, shard=st.rank)
             if layout == "hf":
                 load.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
             else:
@@ -126,7 +134,10 @@ def swap(st: WorkerState, model: Any, requested: Union[int, str], *, what: str =
     if err is None and got is not None and old_v is not None:
         err = _all_or_none(st, _unpublish(st, old_v))
     if err is not None:
-        if got is not None and layout == "hf" and st.serving:
+        if borrowed is not None:
+            borrowed.release_quietly()
+            st.version = None
+        elif got is not None and layout == "hf" and st.serving:
             _drop(st, v)
         if old_v is None:
             raise SettingsError(f"tensorhub: {err}")
@@ -137,7 +148,13 @@ def swap(st: WorkerState, model: Any, requested: Union[int, str], *, what: str =
             logger.info("tensorhub: already at %s v%d", s.model, v)
         return v, "none"
     t1 = time.monotonic()
-    if layout == "hf":
+    if borrowed is not None:  # loaded already, within the lease's bound: the parameters are good
+        st.copy = None
+        if st.serving:  # its hf copy is made from the borrowed memory once the engine is up (the loader)
+            st.pending_borrow = borrowed
+        else:
+            borrowed.release_quietly()
+    elif layout == "hf":
         load.load_into(model, got, s.bucket_bytes, st.hooks.groups)
         st.specs, st.copy = load.specs_of(got), (got if st.serving else None)
     else:
@@ -146,9 +163,10 @@ def swap(st: WorkerState, model: Any, requested: Union[int, str], *, what: str =
     st.version = v
     if publish:
         _native.publish(st, model, v)
-    logger.info("tensorhub: %s %s v%d (%s): fetch %.2fs (%.1f MB from %s), apply %.2fs",
-                "swapped" if old_v is not None else "loaded", s.model, v, layout, t1 - t0, got.nbytes / 1e6,
-                got.sources, time.monotonic() - t1)
+    if borrowed is None:
+        logger.info("tensorhub: %s %s v%d (%s): fetch %.2fs (%.1f MB from %s), apply %.2fs",
+                    "swapped" if old_v is not None else "loaded", s.model, v, layout, t1 - t0, got.nbytes / 1e6,
+                    got.sources, time.monotonic() - t1)
     return v, layout
 
 
