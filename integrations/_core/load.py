@@ -99,14 +99,20 @@ def load_into(model: Any, tensors: Mapping[str, Any], limit: int, groups: Groups
     return n
 
 
-def borrow_into(st: Any, model: Any, version: int, limit: int) -> Optional[Any]:
+def borrow_into(st: Any, model: Any, version: int, limit: int, keep: bool = True) -> Optional[Any]:
     """Start from a same-host holder's memory in place (``Hub.borrow``): feed its read-only
     views of ``version``'s ``hf`` tensors to ``model.load_weights`` in buckets, with no copy
     of the version of our own (``st``: the worker's ``WorkerState``). Returns the open
     ``Borrowed`` (its lease still held, so the caller may copy from it and then release
     it), or None when nothing was borrowed (no same-host holder in Hub memory; or the lease
     was past its bound when ``load_weights`` returned): then read the usual way, which
-    loads every tensor again.
+    loads every tensor again. ``keep=False`` (nothing more to copy from it): the lease is
+    released here, and the load counts only if the coordinator also says it stayed valid
+    (``Borrowed.release``); else None as well.
+
+    Trust is judged after the last byte is used (``load_weights`` returned), never before:
+    the coordinator keeps the lease -- and the holder's memory unchanged -- for at least as
+    long as this reader trusts it, even if it expires the reader meanwhile (issue 30).
 
     Safety: a model tensor that still views the borrowed memory once ``load_weights``
     returned (an engine that kept a loaded tensor instead of copying it) is copied into
@@ -136,6 +142,8 @@ def borrow_into(st: Any, model: Any, version: int, limit: int) -> Optional[Any]:
         if not b.trusted():
             raise tensorhub.LeaseLapsedError(f"{s.model!r} v{version}: the borrowed lease passed its bound "
                                              "during load_weights")
+        if not keep:
+            b.release()  # LeaseLapsedError when the coordinator says it lapsed
     except tensorhub.LeaseLapsedError as e:
         b.release_quietly()
         logger.warning("tensorhub: %s; loading it again from a fetched copy", e)

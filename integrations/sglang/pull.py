@@ -118,7 +118,7 @@ def swap(st: WorkerState, model: Any, requested: Union[int, str], *, what: str =
             if layout == "hf" and old_v is None and not publish:
                 # The start: a same-host holder's memory is loaded in place (no copy of our
                 # own on the way); each rank on its own (None: it fetches, below).
-                borrowed = load.borrow_into(st, model, v, s.bucket_bytes)
+                borrowed = load.borrow_into(st, model, v, s.bucket_bytes, keep=st.serving)
             if borrowed is not None:
                 got = borrowed
             else:

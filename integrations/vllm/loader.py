@@ -80,12 +80,10 @@ def make_loader_class() -> type:
                 self._pending_disk = tensors
                 load.load_into(model, tensors, s.bucket_bytes, st.hooks.groups)
                 return
-            borrowed = load.borrow_into(st, model, v, s.bucket_bytes)
-            if borrowed is not None:  # loaded in place from a same-host holder's memory
+            borrowed = load.borrow_into(st, model, v, s.bucket_bytes, keep=st.serving)
+            if borrowed is not None:  # loaded in place from a same-host holder's memory (released unless kept)
                 if st.serving:  # its copy is made once the engine is up (load_model)
                     self._pending_borrow = borrowed
-                else:
-                    borrowed.release_quietly()  # loaded within the lease's bound: the parameters are good
                 return
             if not st.serving:  # nothing to keep: stream buckets through one reused buffer
                 st.version, st.specs = v, load.stream_into(st, model, v, s.bucket_bytes)

@@ -307,12 +307,15 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                     own = b.sharing([(k, t.clone()) for k, t in kept.items()])  # copies share nothing
                     del kept
                     time.sleep(kw.get("hold", 0.0))
+                    after = digest(b) if kw.get("digest_after") else None  # the last use, past the hold
+                    trusted_after = b.trusted()
                     try:
                         b.release()
                     except tensorhub.LeaseLapsedError as e:
                         lapsed = str(e)
                 conn.send(("ok", {"digest": d, "worker_id": b.worker_id, "nbytes": b.nbytes, "sharing": len(sharing),
-                                  "own": len(own), "lapsed": lapsed, "left": len(b)}))
+                                  "own": len(own), "lapsed": lapsed, "left": len(b), "digest_after": after,
+                                  "trusted_after": trusted_after}))
             elif cmd == "unpublish":
                 t0 = time.monotonic()
                 hub.unpublish(MODEL, kw["version"], timeout=kw.get("drain_timeout"))
