@@ -176,7 +176,8 @@ def borrow(session: Session, opts: FetchOptions, model: str, version: int, layou
     try:
         manifest = grant.manifest or session.manifest(model, version, layout, shard)
         for r in sorted(grant.replicas, key=lambda r: r.cost):
-            src = Source(r.replica_id, r.worker_id, r.endpoint, tuple(r.addresses), grant.lease_id, r.cost)
+            src = Source(r.replica_id, r.worker_id, r.endpoint, tuple(r.addresses), grant.lease_id, r.cost,
+                         secret=grant.secret, host=r.locality.host)
             views = transport.map_regions(src, [(a, s.nbytes) for a, s in zip(r.addresses, manifest.tensors)])
             if views is None:
                 continue

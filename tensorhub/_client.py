@@ -332,11 +332,12 @@ class CoordinatorClient:
     def release_lease(self, lease_id: str, **kw: Any) -> bool:
         return Released.model_validate(self.post(f"/v1/leases/{lease_id}/release", **kw)).valid
 
-    def lease_covers(self, lease_id: str, replica_id: str, worker_id: str, **kw: Any) -> bool:
-        """Is the lease valid now, ``worker_id``'s, and naming ``replica_id``? (same-host reads)"""
-        return Released.model_validate(self.get(f"/v1/leases/{lease_id}/covers",
-                                                params={"replica_id": replica_id, "worker_id": worker_id},
-                                                **kw)).valid
+    def lease_covers(self, lease_id: str, replica_id: str, worker_id: str, proof: str, endpoint: str,
+                     **kw: Any) -> bool:
+        """Is the lease valid now, ``worker_id``'s, naming ``replica_id``, and ``proof`` its
+        reader's ``lease_proof`` for the holder at ``endpoint``? (same-host reads, holder side)"""
+        return Released.model_validate(self.post(f"/v1/leases/{lease_id}/covers", {
+            "replica_id": replica_id, "worker_id": worker_id, "proof": proof, "endpoint": endpoint}, **kw)).valid
 
     #: Telemetry kinds ``report`` sends (``FetchReport``, ``SwapReport``).
     REPORTS = {"fetch": "/v1/fetches", "swap": "/v1/swaps"}

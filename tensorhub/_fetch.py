@@ -209,7 +209,8 @@ class PlainSources:
             f.leases.append(g.lease_id)
         keep = f.keep
         return [Source(r.replica_id, r.worker_id, r.endpoint,
-                       tuple(r.addresses) if keep is None else tuple(r.addresses[i] for i in keep), g.lease_id, r.cost)
+                       tuple(r.addresses) if keep is None else tuple(r.addresses[i] for i in keep), g.lease_id, r.cost,
+                       secret=g.secret, host=r.locality.host)
                 for r in g.replicas]
 
     def offers(self) -> bool:
@@ -369,7 +370,7 @@ class PipelinedSources(PlainSources):
         r.follow_plan(g.stripe_sources if g.stripes else None, g.refresh_after)
         fresh = [PSource(x.replica_id, x.worker_id, x.endpoint, tuple(x.addresses), g.lease_id, x.cost,
                          None if x.chunks is None else frozenset(x.chunks), frozenset(x.coming),
-                         x.status_addr, x.status_tag or 0, x.num_chunks)
+                         x.status_addr, x.status_tag or 0, x.num_chunks, secret=g.secret, host=x.locality.host)
                  for x in g.replicas]
         ids = {s.replica_id for s in fresh}
         self.last[:] = fresh + [s for s in kept if s.replica_id not in ids]

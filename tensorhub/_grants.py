@@ -18,6 +18,7 @@ Two paths (issue 13: the coordinator's work per reader must not grow with the fl
 from __future__ import annotations
 
 import itertools
+import secrets
 from typing import Callable, Iterator, Optional
 
 from . import _addresses
@@ -96,7 +97,8 @@ class Grants:
             lid = self._new_id("l")
             k = self._arrival(key)
             lease = Lease(lid, req.worker_id, req.model, req.version, req.layout, req.shard, ids, now,
-                          now + self.config.lease_ttl, start_fraction(k), start_reverse(k))
+                          now + self.config.lease_ttl, start_fraction(k), start_reverse(k),
+                          secret=secrets.token_bytes(16))
             self.registry.add_lease(lease)
             for _, r, w in chosen:
                 r.served += 1
@@ -156,6 +158,8 @@ class Grants:
             stripes=len(row),
             stripe_sources=row,
             refresh_after=max(0.0, again - now) if again else 0.0,
+            # (a refresh answers the same secret; a retried request the same grant)
+            secret=lease.secret.hex() if req.lease_secret else "",
         )
         if req.request_id is not None and refresh is None:
             self.lease_requests[(req.worker_id, req.request_id)] = (lid, grant)

@@ -41,7 +41,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Source:
-    """One replica a reader may read from, under ``lease_id``."""
+    """One replica a reader may read from, under ``lease_id``.
+
+    ``secret`` (the lease's, ``LeaseGrant.secret``) and ``host`` (the replica's locality
+    host label) are for same-host reads (``transport/_shm``): its holder's fd socket is asked
+    only when ``host`` is this reader's own host label, and then shown a proof of the lease
+    made with ``secret`` (never the secret, never the API token). Keyword-only, so subclasses'
+    positional fields stay where they were."""
 
     replica_id: str
     worker_id: str
@@ -49,6 +55,8 @@ class Source:
     addresses: tuple[int, ...]
     lease_id: str
     cost: int = 0
+    secret: str = field(default="", kw_only=True, repr=False)
+    host: Optional[str] = field(default=None, kw_only=True)
 
 
 @dataclass

@@ -86,6 +86,9 @@ class Lease:
     start: float = 0.0
     reverse: bool = False
     reserved: frozenset = frozenset()
+    #: The key of the proofs a same-host reader shows holders (``_wire.lease_proof``),
+    #: random per lease, answered (hex) only to the reader: ``lease_covers`` checks them.
+    secret: bytes = b""
 
     @property
     def key(self) -> ShardKey:

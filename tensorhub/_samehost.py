@@ -2,9 +2,11 @@
 
 Called by the Session when it creates its transport (holder and reader alike): wraps the
 data plane in a :class:`~tensorhub.transport._shm.SameHostTransport` whose fd server
-answers only a reader that (1) presents this deployment's API token when one is
-configured and (2) holds a lease, valid now by the coordinator's word, that names the
-replica it asks for; the answer then covers exactly that replica's memory.
+answers only a reader that (1) runs as our uid or root (``SO_PEERCRED``, checked by the
+transport) and (2) holds a lease, valid now by the coordinator's word, that names the
+replica it asks for, and proves it: the proof (``_wire.lease_proof``, keyed by the lease's
+secret) is checked by the coordinator, not here -- the holder never learns the secret, and
+no API token crosses the socket. The answer then covers exactly that replica's memory.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ def wrap(inner: Transport, session: Any) -> Transport:
     if not envs.TENSORHUB_SAMEHOST:
         return inner
 
-    def authorize(lease_id: str, replica_id: str, worker_id: str) -> Optional[list[tuple[int, int]]]:
+    def authorize(lease_id: str, replica_id: str, worker_id: str, proof: str,
+                  endpoint: str) -> Optional[list[tuple[int, int]]]:
         held = next((h for h in session.holdings.all() if h.replica_id and h.replica_id == replica_id), None)
         if held is None:
             return None
         try:
-            if not session.api.lease_covers(lease_id, replica_id, worker_id, retry_timeout=2.0):
+            if not session.api.lease_covers(lease_id, replica_id, worker_id, proof, endpoint, retry_timeout=2.0):
                 return None
         except TensorHubError as e:
             logger.info("same-host request for replica %s: lease %s not confirmed: %s", replica_id, lease_id, e)
@@ -42,5 +45,5 @@ def wrap(inner: Transport, session: Any) -> Transport:
         skip = held.chunkmap.region if held.chunkmap is not None else None
         return [r for r in held.regions if r != skip]
 
-    return SameHostTransport(inner, token=session.config.token, host_label=session.locality.host,
-                             authorize=authorize, worker_id=session.worker_id)
+    return SameHostTransport(inner, host_label=session.locality.host, authorize=authorize,
+                             worker_id=session.worker_id)

@@ -79,6 +79,9 @@ class Session:
         #: Send and ask for addresses as runs (``_addresses``): the coordinator reads them
         #: (it said so when this worker registered) and ``TENSORHUB_ADDRESS_RUNS`` allows it.
         self.address_runs = False
+        #: Ask leases with their secret (``LeaseGrant.secret``, what same-host reads prove
+        #: their lease with): the coordinator answers it and same-host reads are on.
+        self.lease_secrets = False
         self.closed = False
         self._stop = threading.Event()
         self._hb: Optional[threading.Thread] = None
@@ -139,7 +142,10 @@ class Session:
         return self._transport_started
 
     def transport(self) -> Transport:
-        """The data plane, started (and its endpoint registered) on first use."""
+        """The data plane, started (and its endpoint registered) on first use. A start that
+        fails raises here, from the first publish, fetch or borrow, and again at every later
+        use: e.g. the same-host socket name taken by another process (``transport/_shm``,
+        :class:`TransferError` naming that process and ``TENSORHUB_SAMEHOST=0``)."""
         with self.holdings.lock:
             if self._transport is None:
                 host = envs.TENSORHUB_DATA_HOST or data_host(self.url.split(",")[0])
@@ -159,6 +165,7 @@ class Session:
         self.epoch = r.epoch
         self.lease_ttl = r.lease_ttl
         self.address_runs = r.address_runs and envs.TENSORHUB_ADDRESS_RUNS
+        self.lease_secrets = r.lease_secrets and envs.TENSORHUB_SAMEHOST
 
     def reregister(self) -> None:
         """Register the worker and every held replica again, under the holdings' lock, with
@@ -236,6 +243,8 @@ class Session:
         with every source's addresses expanded (against the shard's manifest, read once)."""
         if self.address_runs:
             body = dict(body, address_runs=True)
+        if self.lease_secrets:
+            body = dict(body, lease_secret=True)
         g = self.as_worker(lambda api: api.acquire_lease(body))
         try:
             return _addresses.expand_grant(g, lambda: self.manifest(g.model, g.version, g.layout, g.shard))

@@ -368,7 +368,8 @@ def _read_shard(session: Session, opts: FetchOptions, model: str, version: int, 
         g = acquire_lease(session, model, version, layout, shard, excluded, deadline, clock, opts.max_sources)
         leases.append(g.lease_id)
         return [Source(x.replica_id, x.worker_id, x.endpoint,
-                       tuple(x.addresses[r.src_index] + r.src_off for r in runs), g.lease_id, x.cost)
+                       tuple(x.addresses[r.src_index] + r.src_off for r in runs), g.lease_id, x.cost,
+                       secret=g.secret, host=x.locality.host)
                 for x in g.replicas]
 
     def report(src: Source, reason: str) -> None:

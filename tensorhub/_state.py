@@ -59,6 +59,7 @@ answered on its heartbeat; ``metrics_view`` is what ``/metrics`` shows of the st
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import secrets
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ from ._wire import (
     RegisterReplica,
     SwapReport,
     is_delta_layout,
+    lease_proof,
     manifest_digest,
 )
 
@@ -576,12 +578,19 @@ class CoordinatorState(Grants):
         l.expires = now + self.config.lease_ttl
         return self.config.lease_ttl
 
-    def lease_covers(self, now: float, lease_id: str, replica_id: str, worker_id: str) -> bool:
+    def lease_covers(self, now: float, lease_id: str, replica_id: str, worker_id: str, proof: str = "",
+                     endpoint: str = "") -> bool:
         """A holder asks before it hands a same-host reader its memory: is ``lease_id``
-        valid now, ``worker_id``'s, and does it name ``replica_id``? (Reads nothing else.)"""
+        valid now, ``worker_id``'s, does it name ``replica_id``, and is ``proof`` the
+        reader's ``_wire.lease_proof`` of it for the holder at ``endpoint`` (keyed by the
+        lease's secret, which only its reader was answered)? Compared in constant time; no
+        proof (an older holder or reader): not covered. (Reads nothing else.)"""
         now = self._now(now)
         l = self.leases.get(lease_id)
-        return l is not None and now <= l.expires and l.worker_id == worker_id and replica_id in l.replica_ids
+        if l is None or not (now <= l.expires and l.worker_id == worker_id and replica_id in l.replica_ids):
+            return False
+        want = lease_proof(l.secret.hex(), lease_id, replica_id, endpoint) if l.secret else ""
+        return bool(want) and hmac.compare_digest(want.encode(), proof.encode())
 
     def release_lease(self, now: float, lease_id: str) -> bool:
         """A reader finished: True if the lease was valid up to now (its bytes are good).

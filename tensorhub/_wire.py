@@ -6,6 +6,8 @@ below bound every request; they are documented in the README ("Limits").
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import re
 from typing import Annotated, Literal, Optional
@@ -47,6 +49,15 @@ def is_delta_layout(layout: str) -> bool:
     """A delta layout (:func:`delta_layout`): one more replica of a version for readers that
     hold its base, never the version itself -- it alone does not complete a version."""
     return layout.startswith(DELTA_PREFIX)
+
+
+def lease_proof(secret: str, lease_id: str, replica_id: str, endpoint: str) -> str:
+    """What a same-host reader sends a holder's fd server (``transport/_shm``) instead of
+    any credential: HMAC-SHA256, keyed by the lease's secret (``LeaseGrant.secret``, hex),
+    of ``"<lease_id>|<replica_id>|<holder endpoint>"``, hex. The holder cannot check it: it
+    forwards it (``LeaseCovers``) and the coordinator, which keeps the secret, does; a
+    proof opens only that replica of that holder, and only while the lease is valid."""
+    return hmac.new(secret.encode(), f"{lease_id}|{replica_id}|{endpoint}".encode(), hashlib.sha256).hexdigest()
 
 
 #: dtype name -> bytes per element. Names follow torch (``torch.float32`` -> ``float32``).
@@ -416,6 +427,22 @@ class AcquireLease(_Model):
     #: The reader reads ``ReplicaInfo.address_runs``: sources registered with runs are
     #: answered as runs, not expanded to one address per tensor.
     address_runs: bool = False
+    #: Answer the lease's secret (``LeaseGrant.secret``): the reader proves its lease with it
+    #: to same-host holders (``lease_proof``). Sent only to coordinators that said they
+    #: answer it (``WorkerRegistered.lease_secrets``).
+    lease_secret: bool = False
+
+
+class LeaseCovers(_Model):
+    """A holder asks (``POST /v1/leases/{id}/covers``) before it hands a same-host reader
+    its memory: does the lease cover ``replica_id`` for ``worker_id``, and is ``proof`` the
+    reader's ``lease_proof`` of it for the holder at ``endpoint``?"""
+
+    worker_id: Ident
+    replica_id: Ident
+    #: Empty (an older holder): never covered.
+    proof: Annotated[str, Field(max_length=64, pattern=r"^[0-9a-f]*$")] = ""
+    endpoint: Annotated[str, Field(max_length=512)] = ""
 
 
 class ReportChunks(_Model):
@@ -549,6 +576,18 @@ class LeaseGrant(_Model):
     stripe_sources: list[str] = Field(default_factory=list)
     #: Seconds after which to refresh this lease once, for the plan's fixed layout (0: none).
     refresh_after: float = 0.0
+    #: The lease's secret, hex (only to readers that asked: ``AcquireLease.lease_secret``):
+    #: the key of the ``lease_proof`` it shows same-host holders. Never sent to them.
+    secret: str = ""
+
+    @model_serializer(mode="wrap")
+    def _omit_no_secret(self, handler):  # type: ignore[no-untyped-def]
+        """Written without ``secret`` when there is none: readers that predate it
+        (``extra="forbid"``) read the answer as before."""
+        d = handler(self)
+        if isinstance(d, dict) and d.get("secret", None) == "":
+            del d["secret"]
+        return d
 
 
 class Error(_Model):
@@ -569,6 +608,9 @@ class WorkerRegistered(_Answer):
     lease_ttl: float
     #: The coordinator reads and answers ``AddressRuns`` (False: an older coordinator).
     address_runs: bool = False
+    #: The coordinator answers lease secrets (``AcquireLease.lease_secret``) and checks
+    #: same-host proofs (``LeaseCovers``); False: an older coordinator.
+    lease_secrets: bool = False
 
 
 class HeartbeatAnswer(_Answer):

@@ -52,6 +52,7 @@ from ._wire import (
     AcquireLease,
     AllocateVersion,
     FetchReport,
+    LeaseCovers,
     LeaseGrant,
     Manifest,
     RegisterReplica,
@@ -517,7 +518,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
     async def register_worker(req: RegisterWorker) -> dict:
         coord.call(lambda now: st().register_worker(now, req.worker_id, req.endpoint, req.locality), soft=True)
         return {"epoch": coord.state.epoch, "worker_ttl": coord.config.worker_ttl,
-                "lease_ttl": coord.config.lease_ttl, "address_runs": True}
+                "lease_ttl": coord.config.lease_ttl, "address_runs": True, "lease_secrets": True}
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
     async def heartbeat(worker_id: str = _id(), req: Optional[Heartbeat] = Body(default=None)) -> dict:
@@ -634,10 +635,13 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
     async def release(lease_id: str = _id()) -> dict:
         return {"valid": coord.call(lambda now: st().release_lease(now, lease_id), soft=True)}
 
-    @app.get("/v1/leases/{lease_id}/covers")
-    async def covers(replica_id: str, worker_id: str, lease_id: str = _id()) -> dict:
-        # same-host reads (transport/_shm): may this reader map that replica's memory?
-        return {"valid": coord.call(lambda now: st().lease_covers(now, lease_id, replica_id, worker_id), soft=True)}
+    @app.post("/v1/leases/{lease_id}/covers")
+    async def covers(req: LeaseCovers, lease_id: str = _id()) -> dict:
+        # same-host reads (transport/_shm): may this reader, which proved its lease, map
+        # that replica's memory? (A POST: the proof stays out of URLs. Older holders' GET
+        # finds no route: they hand out nothing, and their readers read over Mooncake.)
+        return {"valid": coord.call(lambda now: st().lease_covers(now, lease_id, req.replica_id, req.worker_id,
+                                                                  req.proof, req.endpoint), soft=True)}
 
     @app.get("/v1/status")
     def status() -> dict:

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from tensorhub._wire import lease_proof
 from tensorhub.testing import CoordinatorProcess, WorkerError, digest, make_weights
 from tensorhub.testing._workers import MODEL
 from tensorhub.transport._shm import host_identity, socket_name
@@ -126,13 +127,16 @@ def test_fds_only_for_a_valid_lease_on_that_replica(tmp_path, workers):
         api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
         assert api.post("/v1/workers", json={"worker_id": "asker", "endpoint": "", "locality": {}}).status_code == 200
         grant = api.post("/v1/leases", json={"worker_id": "asker", "model": MODEL, "version": v, "layout": "hf",
-                                              "shard": 0, "max_sources": 4}).json()
+                                              "shard": 0, "max_sources": 4, "lease_secret": True}).json()
         assert "lease_id" in grant, grant
         lease, replica = grant["lease_id"], grant["replicas"][0]["replica_id"]
-        ok = dict(token=token, lease_id=lease, replica_id=replica, worker_id="asker")
+        # The reader proves its lease with the lease's secret; the API token never crosses the socket.
+        ok = dict(lease_id=lease, replica_id=replica, worker_id="asker",
+                  proof=lease_proof(grant["secret"], lease, replica, ep))
         ans, n = ask_fds(ep, **ok)
         assert n >= 1 and ans["arenas"], ans  # the valid asker gets the memory
-        for bad, why in [(dict(ok, token="wrong"), "token"), (dict(ok, token=""), "token"),
+        no_proof = {k: v for k, v in ok.items() if k != "proof"}
+        for bad, why in [(dict(no_proof, token=token), "proof"), (dict(ok, proof="0" * 64), "proof"),
                          (dict(ok, lease_id="nope"), "lease"), (dict(ok, replica_id="r-other"), "lease"),
                          (dict(ok, worker_id="someone-else"), "lease")]:
             ans, n = ask_fds(ep, **bad)
@@ -234,13 +238,13 @@ def test_transport_copies_covered_batches_and_passes_the_rest_on():
     arena.copy_(torch.randint(0, 255, (8 * MiB,), dtype=torch.uint8))
     plain = torch.randint(0, 255, (1 * MiB,), dtype=torch.uint8)
 
-    def authorize(lease, replica, worker):
+    def authorize(lease, replica, worker, proof, endpoint):
         asked.append((lease, replica, worker))
         return [(arena.data_ptr(), 8 * MiB)] if lease == "good" else None
 
-    holder = _shm.SameHostTransport(MooncakeTransport(), token=None, host_label="h", authorize=authorize,
+    holder = _shm.SameHostTransport(MooncakeTransport(), host_label="h", authorize=authorize,
                                     worker_id="holder")
-    reader = _shm.SameHostTransport(MooncakeTransport(), token=None, host_label="h",
+    reader = _shm.SameHostTransport(MooncakeTransport(), host_label="h",
                                     authorize=lambda *a: None, worker_id="reader")
     try:
         ep = holder.start()
@@ -251,7 +255,7 @@ def test_transport_copies_covered_batches_and_passes_the_rest_on():
         reader.register(dst.data_ptr(), dst.nbytes)
 
         def run(lease, ops):
-            h = reader.submit_from(Source("r1", "holder", ep, (), lease), ops)
+            h = reader.submit_from(Source("r1", "holder", ep, (), lease, secret="k" * 32, host="h"), ops)
             while (st := reader.poll(h)) == PENDING:
                 time.sleep(0.001)
             return st

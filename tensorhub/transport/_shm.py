@@ -13,19 +13,28 @@ Two halves, both in every process that uses a Hub:
 * **The fd server and the copying transport.** :class:`SameHostTransport` wraps the real
   transport (Mooncake). Once started it listens on an abstract Unix socket named after its
   endpoint (abstract names are per network namespace: a reader in another namespace cannot
-  reach it). A reader that was granted a lease naming one of our replicas asks, over that
-  socket, for the arenas backing it: the holder checks the API token (when one is
-  configured) and asks the coordinator that the lease is valid, is the asker's, and names
-  that replica (``authorize``); only then it sends read-only fds (``SCM_RIGHTS``) of the
-  arenas covering the replica, with the arena addresses and its host identity (hostname,
-  boot id, locality host label). The reader checks that identity against its own, maps
-  each arena read-only (``MAP_POPULATE``; kept, by file identity, for later leases on the
-  same memory, dropped after 30 s unused) and copies every batch whose remote ranges lie
+  reach it). A reader that was granted a lease naming one of our replicas, on its own host
+  by the locality labels, asks over that socket for the arenas backing it, with a proof of
+  its lease (``_wire.lease_proof``, keyed by the lease's secret, which only the reader was
+  answered; never the API token). The holder asks the coordinator that the lease is valid,
+  is the asker's, names that replica and that the proof is right (``authorize``); only then
+  it sends read-only fds (``SCM_RIGHTS``) of the arenas covering the replica, with the
+  arena addresses and its host identity (hostname, boot id, locality host label). The
+  reader checks that identity against its own, maps each arena read-only
+  (``MAP_POPULATE``; kept, by file identity, for later leases on the same memory, dropped
+  after 30 s unused) and copies every batch whose remote ranges lie
   in those arenas with a tensor copy on a small thread pool (memcpy speed once mapped;
   ``preadv`` from the fd measured 6-8 GB/s against 11-16 GB/s here, the first mapping of a
   GiB ~0.1 s).
   Batches it cannot serve so (user tensors published without ``empty_like``, partial
   replicas, other hosts) go to the wrapped transport unchanged.
+
+Trust (docs/concepts/samehost.md, "Trust model"): both ends check the other's uid with
+``SO_PEERCRED`` before anything is sent or read -- only our own uid or root, who can read
+this process's memory anyway -- so a local user of another uid who binds a holder's socket
+name first learns nothing (and the holder refuses to start: :meth:`SameHostTransport.start`),
+and one who connects gets nothing. The server's threads are fixed (one that accepts, four
+that answer); waiting connections are bounded and time out (``_serve``).
 
 Leases, drains, fencing and checksums are untouched: the reader still reads chunk by chunk
 under the lease, verifies checksums on the landed chunk and releases the lease after its
@@ -35,29 +44,35 @@ remote ones. The fds a reader received are closed when its read run ends
 by then).
 
 Lifecycle: the Session creates the wrapper with the inner transport (holder and reader);
-``start()`` starts the inner transport and the server thread; ``close()`` stops both.
+``start()`` starts the inner transport and the server's threads; ``close()`` stops both.
 """
 
 from __future__ import annotations
 
 import errno
-import hmac
 import itertools
 import json
 import logging
 import mmap
 import os
+import queue
+import selectors
 import socket
+import struct
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from .. import envs
+from .._exceptions import TransferError
+from .._wire import lease_proof
 from ._base import DONE, PENDING, ReadOp, Transport
 
-__all__ = ["SameHostTransport", "empty", "arena_of", "host_identity", "pool_bytes", "trim", "socket_name"]
+__all__ = ["SameHostTransport", "empty", "arena_of", "host_identity", "pool_bytes", "trim", "socket_name",
+           "peer_creds", "trusted_uid"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +82,13 @@ _MAX_MSG = 1 << 16
 _MAX_FDS = 250
 #: Handles of same-host reads start here (the wrapped transport's are small integers).
 _HANDLE_BASE = 1 << 48
+#: The fd server's bounds: threads that answer requests; connections accepted and waiting
+#: for their request (past this the oldest is closed); requests waiting for a thread (past
+#: this a new one is closed); seconds a connection has to send its request.
+_HANDLERS = 4
+_MAX_PENDING = 64
+_MAX_READY = 16
+_RECV_TIMEOUT = 2.0
 
 
 # ---------------------------------------------------------------------- arenas
@@ -200,6 +222,26 @@ def socket_name(endpoint: str) -> bytes:
     return b"\0tensorhub-samehost:" + endpoint.encode()[:80]
 
 
+def _shown(name: bytes) -> str:
+    """An abstract socket name as ``ss -x`` shows it (``@`` for the leading NUL)."""
+    return "@" + name[1:].decode(errors="replace")
+
+
+def peer_creds(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of the Unix socket ``sock``
+    (``SO_PEERCRED``: for a listening socket, who called ``listen``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def trusted_uid(uid: int) -> bool:
+    """Whether a peer of that uid may take part in same-host reads with this process: our
+    own (effective) uid or root, the processes that can read our memory anyway (ptrace,
+    /proc/<pid>/mem). Anyone else gets nothing and is sent nothing."""
+    return uid == os.geteuid() or uid == 0
+
+
 # ---------------------------------------------------------------------- the transport
 @dataclass
 class _Mapped:
@@ -274,20 +316,24 @@ class _Maps:
             return sum(v[1] for v in self._by_file.values())
 
 
-#: ``authorize(lease_id, replica_id, worker_id) -> regions of that replica or None (refused)``.
-Authorize = Callable[[str, str, str], Optional[list[tuple[int, int]]]]
+#: ``authorize(lease_id, replica_id, worker_id, proof, endpoint) -> regions of that replica
+#: or None (refused)``: the holder's question to the coordinator (``_samehost.wrap``), with
+#: the reader's ``lease_proof`` and the holder's own endpoint.
+Authorize = Callable[[str, str, str, str, str], Optional[list[tuple[int, int]]]]
 
 
 class SameHostTransport(Transport):
-    """Wraps a transport; copies from same-host holders' arenas (module docstring)."""
+    """Wraps a transport; copies from same-host holders' arenas (module docstring).
 
-    def __init__(self, inner: Transport, *, token: Optional[str], host_label: str,
-                 authorize: Authorize, worker_id: str, threads: int = 4) -> None:
+    ``token`` is accepted for older callers and unused: nothing on the fd socket carries
+    the coordinator's API token (a reader proves its lease with the lease's secret)."""
+
+    def __init__(self, inner: Transport, *, host_label: str, authorize: Authorize, worker_id: str,
+                 token: Optional[str] = None, threads: int = 4) -> None:
         super().__init__()
         self.inner = inner
         self.max_batch_entries = inner.max_batch_entries
         self.max_entry_bytes = inner.max_entry_bytes
-        self._token = token or ""
         self._label = host_label
         self._authorize = authorize
         self._worker_id = worker_id
@@ -301,6 +347,10 @@ class SameHostTransport(Transport):
         self._mlock = threading.Lock()
         self._server: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
+        self._ready: "queue.Queue[Optional[socket.socket]]" = queue.Queue(_MAX_READY)
+        self._handlers: list[threading.Thread] = []
+        self._start_error: Optional[str] = None
+        self._refused_uids: set[int] = set()  # peers refused (logged once per uid)
         #: Counters (tests, benchmarks): bytes copied same-host, batches sent to ``inner``.
         self.copied_bytes = 0
         self.inner_batches = 0
@@ -309,21 +359,59 @@ class SameHostTransport(Transport):
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
+        """Start ``inner`` and the fd server (holder side); idempotent. The server's socket
+        name taken by another process is an error (:class:`TransferError`, naming it and
+        ``TENSORHUB_SAMEHOST=0``), raised again at every later call: readers on this host
+        would ask that process for our memory. Other bind failures (a sandbox without
+        abstract sockets) only log: same-host readers then read over ``inner``."""
+        if self._start_error is not None:
+            raise TransferError("start", "", -errno.EADDRINUSE, self._start_error)
         ep = self.inner.start()
         self._endpoint = ep
+        if self._server is not None:
+            return ep
+        name = socket_name(ep)
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            srv.bind(socket_name(ep))
+            srv.bind(name)
             srv.listen(64)
         except OSError as e:
             srv.close()
-            logger.warning("same-host fd server not started on %s: %s (same-host readers use %s)",
-                           ep, e, type(self.inner).__name__)
-            return ep
+            if e.errno != errno.EADDRINUSE:
+                logger.warning("same-host fd server not started on %s: %s (same-host readers use %s)",
+                               ep, e, type(self.inner).__name__)
+                return ep
+            self._start_error = self._taken(name)
+            self.inner.close()  # nothing started is left running (the Session never saw it start)
+            raise TransferError("start", "", -errno.EADDRINUSE, self._start_error) from None
+        srv.setblocking(False)
         self._server = srv
-        self._thread = threading.Thread(target=self._serve, name="tensorhub-samehost", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(srv,), name="tensorhub-samehost", daemon=True)
         self._thread.start()
+        self._handlers = [threading.Thread(target=self._handle, name=f"tensorhub-samehost-{i}", daemon=True)
+                          for i in range(_HANDLERS)]
+        for t in self._handlers:
+            t.start()
         return ep
+
+    def _taken(self, name: bytes) -> str:
+        """Why the fd server cannot start: its name is bound; by whom (``SO_PEERCRED`` of
+        a connection to it; nothing is sent)."""
+        who = "a process this one cannot identify"
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(2.0)
+            probe.connect(name)
+            pid, uid, _ = peer_creds(probe)
+            who = f"pid {pid} (uid {uid}{', another user' if not trusted_uid(uid) else ''})"
+        except OSError as e:
+            who += f" ({e})"
+        finally:
+            probe.close()
+        return (f"the same-host socket {_shown(name)} is already bound by {who}; this process is pid {os.getpid()} "
+                f"(uid {os.geteuid()}). Same-host readers would ask it for this worker's memory, so this worker "
+                "does not start. Stop that process, or set TENSORHUB_SAMEHOST=0 to run without same-host reads "
+                "(readers then read over the network transport)")
 
     def _shutdown(self) -> None:
         srv, self._server = self._server, None
@@ -332,7 +420,22 @@ class SameHostTransport(Transport):
                 srv.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            srv.close()
+            if self._thread is not None:
+                self._thread.join(timeout=5.0)  # it closes what it holds, then the socket
+            else:
+                srv.close()
+            while True:  # requests still waiting: closed; then the handlers stop
+                try:
+                    conn = self._ready.get_nowait()
+                except queue.Empty:
+                    break
+                if conn is not None:
+                    conn.close()
+            for _ in self._handlers:
+                try:
+                    self._ready.put_nowait(None)
+                except queue.Full:  # pragma: no cover - only the server thread puts requests
+                    break
         self._pool.shutdown(wait=True)
         with self._mlock:
             self._mapped = {}
@@ -346,30 +449,102 @@ class SameHostTransport(Transport):
         self.inner.unregister(addr, nbytes)
 
     # ------------------------------------------------------------------ holder: the fd server
-    def _serve(self) -> None:
-        srv = self._server
-        while srv is not None and self._server is srv:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
+    # One thread accepts and watches connections until their request arrives; ``_HANDLERS``
+    # threads answer requests. Threads do not grow with connections: a peer of another uid
+    # is closed at once, before anything is read; at most ``_MAX_PENDING`` connections wait
+    # for their request, each at most ``_RECV_TIMEOUT`` seconds (a new one closes the
+    # oldest, so idle connections cannot keep a reader out: its request is sent with its
+    # connect); at most ``_MAX_READY`` requests wait for a handler (more are closed).
+    def _serve(self, srv: socket.socket) -> None:
+        sel = selectors.DefaultSelector()
+        pending: dict[socket.socket, float] = {}  # connection -> deadline, oldest first
+        try:
+            sel.register(srv, selectors.EVENT_READ)
+            while self._server is srv:
+                wait = 1.0 if not pending else min(1.0, max(0.0, next(iter(pending.values())) - time.monotonic()))
+                for key, _ in sel.select(wait):
+                    conn = key.fileobj
+                    if conn is srv:
+                        if not self._accept(srv, sel, pending):
+                            return
+                        continue
+                    sel.unregister(conn)
+                    del pending[conn]
+                    try:
+                        self._ready.put_nowait(conn)
+                    except queue.Full:  # every handler busy and the queue full: no room
+                        conn.close()
+                now = time.monotonic()
+                while pending and next(iter(pending.values())) <= now:  # sent nothing in time
+                    conn = next(iter(pending))
+                    sel.unregister(conn)
+                    del pending[conn]
+                    conn.close()
+        except (OSError, ValueError) as e:  # the socket went away under us (close)
+            if self._server is srv:
+                logger.warning("same-host fd server stopped: %s", e)
+        finally:
+            for conn in pending:
+                conn.close()
+            sel.close()
+            srv.close()
+
+    def _accept(self, srv: socket.socket, sel: selectors.BaseSelector, pending: dict) -> bool:
+        """Accept one connection; False when the server socket is closed."""
+        try:
+            conn, _ = srv.accept()
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        try:
+            pid, uid, _ = peer_creds(conn)
+        except OSError:
+            conn.close()
+            return True
+        if not trusted_uid(uid):  # before anything is read
+            conn.close()
+            log = logger.debug if uid in self._refused_uids else logger.warning
+            self._refused_uids.add(uid)
+            log("same-host fd server %s: refused pid %d of uid %d (not this process's uid %d, not root)",
+                self._endpoint, pid, uid, os.geteuid())
+            return True
+        if len(pending) >= _MAX_PENDING:
+            oldest = next(iter(pending))
+            sel.unregister(oldest)
+            del pending[oldest]
+            oldest.close()
+        conn.setblocking(False)
+        sel.register(conn, selectors.EVENT_READ)
+        pending[conn] = time.monotonic() + _RECV_TIMEOUT
+        return True
+
+    def _handle(self) -> None:
+        while True:
+            conn = self._ready.get()
+            if conn is None:
                 return
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+            self._answer(conn)
 
     def _answer(self, conn: socket.socket) -> None:
         fds: list[int] = []
         try:
-            conn.settimeout(10.0)
+            conn.settimeout(_RECV_TIMEOUT)
             raw = conn.recv(_MAX_MSG)
             req = json.loads(raw.decode())
+            if not isinstance(req, dict):
+                raise ValueError("not an object")
             answer: dict[str, Any] = dict(self._ident, arenas=[])
-            if self._token and not hmac.compare_digest(str(req.get("token", "")).encode(), self._token.encode()):
-                answer["why"] = "token refused"
-            elif any(req.get("host", {}).get(k) != v for k, v in self._ident.items()):
+            proof = req.get("proof")
+            if not (isinstance(proof, str) and len(proof) == 64 and all(c in "0123456789abcdef" for c in proof)):
+                answer["why"] = "no lease proof"
+            elif not isinstance(req.get("host"), dict) or any(req["host"].get(k) != v for k, v in self._ident.items()):
                 answer["why"] = "not on this host"
             else:
-                regions = self._authorize(str(req["lease_id"]), str(req["replica_id"]), str(req["worker_id"]))
+                regions = self._authorize(str(req["lease_id"]), str(req["replica_id"]), str(req["worker_id"]),
+                                          proof, self._endpoint or "")
                 if regions is None:
-                    answer["why"] = "no valid lease on that replica"
+                    answer["why"] = "no valid lease on that replica, or a wrong lease proof"
                 else:
                     arenas = []
                     for addr, n in regions:
@@ -403,15 +578,31 @@ class SameHostTransport(Transport):
         return old
 
     def _ask(self, src: Any) -> _Mapped:
+        """The holder's arenas behind ``src`` (a ``_reader.Source``), asked over its fd
+        socket; empty: read over ``inner``. Asked only for a source on this host by its
+        locality label and with its lease's secret; a socket held by a process of another
+        uid (not root) is sent nothing (``SO_PEERCRED``, checked right after connect)."""
+        secret, host = getattr(src, "secret", ""), getattr(src, "host", None)
+        if not secret or host is None or host != self._label:
+            return _Mapped([])  # another host (or no secret: an older coordinator): never connected to
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fds: list[int] = []
         try:
             s.settimeout(5.0)
             s.connect(socket_name(src.endpoint))
-            s.sendall(json.dumps({"token": self._token, "lease_id": src.lease_id, "replica_id": src.replica_id,
+            pid, uid, _ = peer_creds(s)
+            if not trusted_uid(uid):
+                logger.warning("same-host socket of %s is held by pid %d of uid %d (not this process's uid %d, "
+                               "not root): asked it nothing; reading over %s", src.endpoint, pid, uid, os.geteuid(),
+                               type(self.inner).__name__)
+                return _Mapped([])
+            proof = lease_proof(secret, src.lease_id, src.replica_id, src.endpoint)
+            s.sendall(json.dumps({"lease_id": src.lease_id, "replica_id": src.replica_id, "proof": proof,
                                   "worker_id": self._worker_id, "host": self._ident}).encode())
             data, fds, _, _ = socket.recv_fds(s, _MAX_MSG, _MAX_FDS)
             ans = json.loads(data.decode())
+            if not isinstance(ans, dict):
+                raise ValueError("not an object")
         except (OSError, ValueError) as e:
             for fd in fds:
                 os.close(fd)
