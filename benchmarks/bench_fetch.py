@@ -9,8 +9,12 @@ same run and interleaved round by round:
   small sweep, measured before the rounds,
 * ``mooncake-sync`` -- one synchronous batch of 64 MiB entries (the old baseline),
 * ``tensorhub``-- ``hub.fetch(..., into=preallocated, serve=False)`` through the
-  coordinator (lease, chunked reads, release),
-* ``tensorhub-new`` -- ``hub.fetch`` into freshly allocated tensors (page faults included).
+  coordinator (lease, chunked reads, release), over Mooncake's loopback (a reader Hub
+  with ``TENSORHUB_SAMEHOST=0``),
+* ``tensorhub-new`` -- ``hub.fetch`` into freshly allocated tensors (page faults included),
+* ``user`` / ``user-new`` -- the publisher's own tensors (allocated by torch, as the
+  README's RL loop does: not Hub memory) read by a same-host reader in place with
+  ``process_vm_readv`` (issue 34), into preallocated / into new (Hub, pooled) memory,
 * ``samehost`` / ``samehost-new`` -- the same, of a version the publisher holds in
   Hub-allocated memory (``hub.empty_like``): copied through its memfd, no Mooncake; new
   memory is a pooled arena the previous round freed (no page faults),
@@ -157,6 +161,13 @@ def loopback(args: argparse.Namespace) -> int:
         proc.start()
         version, version_shm, endpoint, addrs, sizes = parent.recv()
 
+        # Over Mooncake's loopback: a reader without the same-host path (its transport made now).
+        os.environ["TENSORHUB_SAMEHOST"] = "0"
+        try:
+            hub_mc = tensorhub.connect(coord.url, worker_id="bench-reader-mooncake")
+            hub_mc._session.transport()
+        finally:
+            del os.environ["TENSORHUB_SAMEHOST"]
         hub = tensorhub.connect(coord.url, worker_id="bench-reader")
         dst = {f"layers.{i}.weight": torch.zeros(s // 4, dtype=torch.float32) for i, s in enumerate(sizes)}
         flat_src = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -200,10 +211,22 @@ def loopback(args: argparse.Namespace) -> int:
 
         def t_fetch() -> float:
             t0 = time.perf_counter()
-            hub.fetch("bench", version, into=dst, serve=False)
+            hub_mc.fetch("bench", version, into=dst, serve=False)
             return time.perf_counter() - t0
 
         def t_fetch_new() -> float:
+            t0 = time.perf_counter()
+            out = hub_mc.fetch("bench", version, serve=False)
+            dt = time.perf_counter() - t0
+            del out
+            return dt
+
+        def t_user() -> float:  # the publisher's own torch tensors, same host: process_vm_readv
+            t0 = time.perf_counter()
+            hub.fetch("bench", version, into=dst, serve=False)
+            return time.perf_counter() - t0
+
+        def t_user_new() -> float:
             t0 = time.perf_counter()
             out = hub.fetch("bench", version, serve=False)
             dt = time.perf_counter() - t0
@@ -237,7 +260,8 @@ def loopback(args: argparse.Namespace) -> int:
 
         cases = {"memcpy": t_memcpy, "memcpy-new": t_memcpy_new, "mooncake": t_mooncake,
                  "mooncake-sync": t_mooncake_sync, "tensorhub": t_fetch, "tensorhub-new": t_fetch_new,
-                 "samehost": t_same, "samehost-new": t_same_new, "samehost-cold": t_same_cold}
+                 "samehost": t_same, "samehost-new": t_same_new, "samehost-cold": t_same_cold,
+                 "user": t_user, "user-new": t_user_new}
         for fn in cases.values():  # warm up connections and page tables
             fn()
         times: dict[str, list[float]] = {k: [] for k in cases}
@@ -249,6 +273,11 @@ def loopback(args: argparse.Namespace) -> int:
         copied = getattr(tr, "copied_bytes", 0)
         t_same()
         assert getattr(tr, "copied_bytes", 0) - copied == nbytes, "the same-host fetch did not copy"
+        vm = getattr(tr, "vm_bytes", 0)
+        t_user()
+        assert getattr(tr, "vm_bytes", 0) - vm == nbytes, "the fetch of user tensors was not read in place"
+        mc = hub_mc._session.transport()
+        assert getattr(mc, "copied_bytes", None) is None, "the Mooncake reader has a same-host path"
         for i, t in enumerate(dst.values()):
             want = torch.arange(t.numel(), dtype=torch.int32).add_(i * 7919).view(torch.float32)
             assert torch.equal(t.view(torch.int32), want.view(torch.int32)), f"tensor {i} differs"
@@ -256,6 +285,7 @@ def loopback(args: argparse.Namespace) -> int:
         parent.send("done")
         proc.join(30)
         hub.close()
+        hub_mc.close()
 
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     result = {
@@ -269,6 +299,9 @@ def loopback(args: argparse.Namespace) -> int:
         "ratio_samehost_vs_memcpy": gbps["samehost"] / gbps["memcpy"],
         "ratio_samehost_new_vs_memcpy": gbps["samehost-new"] / gbps["memcpy"],
         "ratio_samehost_cold_vs_memcpy": gbps["samehost-cold"] / gbps["memcpy"],
+        "ratio_user_vs_memcpy": gbps["user"] / gbps["memcpy"],
+        "ratio_user_new_vs_memcpy": gbps["user-new"] / gbps["memcpy"],
+        "ratio_user_vs_mooncake_fetch": gbps["user"] / gbps["tensorhub"],
     }
     print(f"version size: {nbytes / (1 << 30):.2f} GiB, {args.rounds} rounds, medians")
     print(f"{'path':<15}{'GB/s':>8}{'vs raw mooncake':>18}{'vs memcpy':>12}")
@@ -276,7 +309,9 @@ def loopback(args: argparse.Namespace) -> int:
         print(f"{k:<15}{g:>8.2f}{g / gbps['mooncake']:>17.2f}x{g / gbps['memcpy']:>11.2f}x")
     checks = [("tensorhub fetch / tuned raw Mooncake", result["ratio_tensorhub_vs_mooncake"], 0.95),
               ("same-host fetch into preallocated / memcpy", result["ratio_samehost_vs_memcpy"], 0.6),
-              ("same-host fetch into new memory / memcpy", result["ratio_samehost_new_vs_memcpy"], 0.6)]
+              ("same-host fetch into new memory / memcpy", result["ratio_samehost_new_vs_memcpy"], 0.6),
+              ("same-host fetch of user tensors into preallocated / memcpy", result["ratio_user_vs_memcpy"], 0.6),
+              ("same-host fetch of user tensors into new memory / memcpy", result["ratio_user_new_vs_memcpy"], 0.6)]
     for what, r, want in checks:
         print(f"{what} = {r:.2f}x (target >= {want:.2f}x): {'PASS' if r >= want else 'MISS'}")
     print("(samehost-new reuses freed Hub memory, pages already faulted in; samehost-cold is new memory "

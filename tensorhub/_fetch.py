@@ -352,6 +352,8 @@ class PipelinedSources(PlainSources):
             except TensorHubError as e:
                 logger.info("%s v%d: worker %s not serving while receiving: %s", f.model, f.version,
                             f.session.worker_id, e)
+        if self.partial_id and f.held is not None:  # same-host readers may copy its ready chunks
+            f.holdings.receiving[self.partial_id] = f.held
         if grant.seed:
             logger.info("%s v%d: %s seeds datacenter %r (%s)", f.model, f.version, f.session.worker_id,
                         f.session.locality.datacenter, grant.reason)
@@ -527,6 +529,7 @@ class Fetch:
             failure = e
             raise
         finally:
+            self.holdings.done_receiving(self.held)  # served from now on as a held replica, or not at all
             if not served:
                 release_all(self.session, self.leases)
                 try:

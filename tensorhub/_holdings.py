@@ -72,6 +72,23 @@ class Holdings:
         #: (else a reader could lease them while the holder waits out its fence, then read
         #: overwritten bytes).
         self.withdrawing: set[Key] = set()
+        #: Partial replica id -> the replica a fetch is still receiving (served to same-host
+        #: readers, chunk by chunk, like any partial replica: ``find``). Removed when the
+        #: fetch ends, before its memory is withdrawn, quarantined or freed.
+        self.receiving: dict[str, Held] = {}
+
+    def find(self, replica_id: str) -> Optional[Held]:
+        """The held (or still receiving) replica registered as ``replica_id``."""
+        if not replica_id:
+            return None
+        with self.lock:
+            h = self.receiving.get(replica_id)
+            return h if h is not None else next((x for x in self.held.values() if x.replica_id == replica_id), None)
+
+    def done_receiving(self, h: Optional[Held]) -> None:
+        with self.lock:
+            for rid in [rid for rid, x in self.receiving.items() if x is h]:
+                del self.receiving[rid]
 
     def get(self, key: Key) -> Optional[Held]:
         with self.lock:

@@ -32,7 +32,7 @@ def wrap(inner: Transport, session: Any) -> Transport:
 
     def authorize(lease_id: str, replica_id: str, worker_id: str, proof: str,
                   endpoint: str) -> Optional[list[tuple[int, int]]]:
-        held = next((h for h in session.holdings.all() if h.replica_id and h.replica_id == replica_id), None)
+        held = session.holdings.find(replica_id)  # a held replica, or one still receiving (partial)
         if held is None:
             return None
         try:

@@ -138,6 +138,11 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Read from holders on this host by copying from their memfd-backed memory (fds passed "
         "over a Unix socket under a lease), instead of over the data plane's loopback.",
     ),
+    "TENSORHUB_SAMEHOST_VM": (
+        _bool("TENSORHUB_SAMEHOST_VM", True),
+        "Same-host reads of memory the Hub did not allocate (the user's own tensors) with "
+        "process_vm_readv, under the same lease; 0 reads such memory over the data plane.",
+    ),
     "TENSORHUB_ADDRESS_RUNS": (
         _bool("TENSORHUB_ADDRESS_RUNS", True),
         "Send a replica's tensor addresses to the coordinator, and ask for sources', as a "

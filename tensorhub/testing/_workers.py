@@ -192,6 +192,28 @@ def enter_netns(name: str) -> None:
         os.close(fd)
 
 
+def _drop_cap(cap: int) -> None:
+    """Drop one capability from this process's effective and permitted sets (capset)."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    hdr, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(hdr), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    i, bit = divmod(cap, 32)
+    data[i].effective &= ~(1 << bit)
+    data[i].permitted &= ~(1 << bit)
+    if libc.capset(ctypes.byref(hdr), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
 def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any, first_done: Any,
                 options: dict) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
@@ -203,6 +225,12 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
     data_host = options.pop("data_host", "127.0.0.1")
     if netns:
         enter_netns(netns)
+    if options.pop("dumpable", True) is False:  # PR_SET_DUMPABLE 0: no ptrace / cross-memory reads of it
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+    if options.pop("no_ptrace_cap", False):  # root without CAP_SYS_PTRACE: the kernel's checks apply to it
+        _drop_cap(19)
     import tensorhub
     from tensorhub.transport import MooncakeTransport
 
@@ -230,6 +258,9 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
         return
     if copy_delay:  # same-host copies wait first (tests: a reader that holds its lease a while)
         hub._session.transport().copy_delay = copy_delay
+    if own_transport and trace is not None:  # the data plane under the same-host wrapper, traced / slowed
+        t = hub._session.transport()
+        t.inner = _Traced(t.inner, trace[0], trace[1])
     published: dict[int, list[tuple[dict, int]]] = {}  # version -> [(tensors, nbytes)], one per layout/shard
     buffers: dict[str, dict] = {}  # fetch(into={"name": ...}): caller buffers kept between commands
     conn.send(("ready", hub.worker_id))
@@ -348,7 +379,8 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
             elif cmd == "transport_stats":  # same-host reads: bytes copied, batches over the data plane
                 t = hub._session._transport
                 conn.send(("ok", {"copied_bytes": getattr(t, "copied_bytes", 0),
-                                  "inner_batches": getattr(t, "inner_batches", None)}))
+                                  "inner_batches": getattr(t, "inner_batches", None),
+                                  "vm_bytes": getattr(t, "vm_bytes", 0)}))
             elif cmd == "latest":
                 conn.send(("ok", hub.latest(MODEL)))
             elif cmd == "held":

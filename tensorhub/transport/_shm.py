@@ -26,8 +26,14 @@ Two halves, both in every process that uses a Hub:
   in those arenas with a tensor copy on a small thread pool (memcpy speed once mapped;
   ``preadv`` from the fd measured 6-8 GB/s against 11-16 GB/s here, the first mapping of a
   GiB ~0.1 s).
-  Batches it cannot serve so (user tensors published without ``empty_like``, partial
-  replicas, other hosts) go to the wrapped transport unchanged.
+  Memory the Hub did not allocate (the user's own tensors, ``torch.empty_like``
+  snapshots) is read with ``process_vm_readv`` instead (``_vm``: the holder answers
+  ``vm`` rather than fds and, where Yama restricts ptrace, lets same-uid readers in; the
+  reader probes one byte first and, if the kernel refuses, reads over the wrapped
+  transport). A partial replica (a reader still receiving) is served the same way, for the
+  chunks its chunk map says are ready: the reader's loop only asks for those.
+  Batches it cannot serve so (other hosts, ``TENSORHUB_SAMEHOST_VM=0`` for user memory)
+  go to the wrapped transport unchanged.
 
 Trust (docs/concepts/samehost.md, "Trust model"): both ends check the other's uid with
 ``SO_PEERCRED`` before anything is sent or read -- only our own uid or root, who can read
@@ -69,6 +75,7 @@ from typing import Any, Callable, Optional, Sequence
 from .. import envs
 from .._exceptions import TransferError
 from .._wire import lease_proof
+from . import _vm
 from ._base import DONE, PENDING, ReadOp, Transport
 
 __all__ = ["SameHostTransport", "empty", "arena_of", "host_identity", "pool_bytes", "trim", "socket_name",
@@ -249,6 +256,11 @@ class _Mapped:
     read-only uint8 tensor over our mapping of it; empty: not readable same-host."""
 
     arenas: list[tuple[int, int, Any]]
+    #: The holder's pid as this process sees it (``SO_PEERCRED``): its memory is read with
+    #: ``process_vm_readv`` (``_vm``) where no arena covers an op; 0: not so readable.
+    pid: int = 0
+    #: ``_vm.probe`` ran (and, if it failed, ``pid`` was reset).
+    probed: bool = False
 
     def find(self, addr: int, n: int) -> Optional[tuple[int, int, Any]]:
         for a in self.arenas:
@@ -354,6 +366,9 @@ class SameHostTransport(Transport):
         #: Counters (tests, benchmarks): bytes copied same-host, batches sent to ``inner``.
         self.copied_bytes = 0
         self.inner_batches = 0
+        #: Of ``copied_bytes``, those read with ``process_vm_readv`` (memory not in arenas).
+        self.vm_bytes = 0
+        self._vm_refused: set[str] = set()  # holders whose memory the kernel would not let us read
         #: Tests: seconds each same-host copy waits before it starts (a slow reader).
         self.copy_delay = 0.0
 
@@ -557,6 +572,9 @@ class SameHostTransport(Transport):
                     for a in arenas[:_MAX_FDS]:
                         fds.append(os.open(f"/proc/self/fd/{a.fd}", os.O_RDONLY | os.O_CLOEXEC))
                     answer["arenas"] = [[a.base, a.size] for a in arenas[:len(fds)]]
+                    if not fds and regions and envs.TENSORHUB_SAMEHOST_VM:
+                        _vm.allow_readers()  # memory of the user's: read in place (process_vm_readv)
+                        answer["vm"] = True
             socket.send_fds(conn, [json.dumps(answer).encode()], fds)
         except Exception as e:  # a bad request ends its connection, never the server
             logger.debug("same-host request refused: %s", e)
@@ -590,7 +608,8 @@ class SameHostTransport(Transport):
         try:
             s.settimeout(5.0)
             s.connect(socket_name(src.endpoint))
-            pid, uid, _ = peer_creds(s)
+            peer, uid, _ = peer_creds(s)
+            pid = peer
             if not trusted_uid(uid):
                 logger.warning("same-host socket of %s is held by pid %d of uid %d (not this process's uid %d, "
                                "not root): asked it nothing; reading over %s", src.endpoint, pid, uid, os.geteuid(),
@@ -613,6 +632,8 @@ class SameHostTransport(Transport):
             s.close()
         same = all(ans.get(k) == v for k, v in self._ident.items())
         arenas = ans.get("arenas", [])
+        if same and not fds and not arenas and ans.get("vm") is True and envs.TENSORHUB_SAMEHOST_VM:
+            return _Mapped([], pid=peer)
         if not same or len(arenas) != len(fds) or not fds:
             for fd in fds:
                 os.close(fd)
@@ -686,12 +707,39 @@ class SameHostTransport(Transport):
         self._check_batch(src.endpoint, ops)
         m = self._arenas(src)
         plan = [(op, m.find(op.remote_addr, op.length)) for op in ops] if m.arenas else []
-        if not plan or any(a is None for _, a in plan):
-            self.inner_batches += 1
-            return self.inner.submit_read(src.endpoint, ops)
-        h = next(self._ids)
-        self._jobs[h] = self._pool.submit(self._copy, plan)
-        return h
+        if plan and all(a is not None for _, a in plan):
+            h = next(self._ids)
+            self._jobs[h] = self._pool.submit(self._copy, plan)
+            return h
+        if m.pid and ops and self._vm_ok(m, src, ops[0]):
+            h = next(self._ids)
+            self._jobs[h] = self._pool.submit(self._vm_copy, m.pid, ops)
+            return h
+        self.inner_batches += 1
+        return self.inner.submit_read(src.endpoint, ops)
+
+    def _vm_ok(self, m: _Mapped, src: Any, op: ReadOp) -> bool:
+        """Whether the kernel lets us read the holder's memory (``_vm.probe``, once per
+        lease and replica, before the first op; a refusal reads over ``inner``)."""
+        if not m.probed:
+            why = _vm.probe(m.pid, op.remote_addr)
+            m.probed = True
+            if why is not None:
+                if src.endpoint not in self._vm_refused:
+                    self._vm_refused.add(src.endpoint)
+                    logger.info("same-host read from %s (pid %d): the kernel refuses process_vm_readv (%s); "
+                                "reading over %s", src.endpoint, m.pid, why, type(self.inner).__name__)
+                m.pid = 0
+        return m.pid != 0
+
+    def _vm_copy(self, pid: int, ops: Sequence[ReadOp]) -> None:
+        import time
+
+        if self.copy_delay:
+            time.sleep(self.copy_delay)
+        n = _vm.read_into(pid, ops)
+        self.copied_bytes += n
+        self.vm_bytes += n
 
     def _copy(self, plan: list) -> None:
         import ctypes
