@@ -1,5 +1,6 @@
 """Randomized soak: publish, fetch, unpublish, kill, hang, coordinator restarts, and faults
-of the control plane only (a holder cut off from the coordinator, a paused coordinator).
+of the control plane only (a holder or a reader cut off from the coordinator, a paused
+coordinator).
 
 Real processes throughout: a coordinator process (SIGKILLed and restarted on its state
 dir, or SIGSTOPped), a trainer and readers (each a Hub over real Mooncake over TCP; r2
@@ -7,7 +8,7 @@ reads with ``pipelined=False``, the others pipelined; only r1 verifies per-chunk
 r0 and r2 rely on the protocol alone). Where network namespaces work
 (root, iproute2) every process is a host of an emulated cluster (``testbed.py``: own
 namespace, links shaped with tc, the coordinator in the core namespace); elsewhere all run
-on loopback and the two control-plane kinds are skipped (said in the output).
+on loopback and the control-plane kinds (cut, pause, reader-cut) are skipped (said in the output).
 
 Faults, each during a read (the reader holds a lease):
 
@@ -18,7 +19,17 @@ Faults, each during a read (the reader holds a lease):
   re-registers by itself, then does a double-buffered step: publishes the next version and
   unpublishes the one being read, writing the version after into that memory at once;
 * pause -- the coordinator is SIGSTOPped for longer than ``worker_ttl`` during such a read,
-  then resumed (no live worker may be expired at resume), then the same double-buffered step.
+  then resumed (no live worker may be expired at resume), then the same double-buffered step;
+* reader-cut -- the READER loses its route to the coordinator (blackholed in its namespace,
+  half the time its connections reset) for 1.3-2 x ``worker_ttl`` during such a read, while
+  its data path to the holder keeps working. The holder is a second trainer process on a
+  host of its own that publishes with ``checksum="off"`` (so nothing but the fencing protects
+  the reader; the trainer's own publishes keep their checksums for r1). While the reader is
+  cut the holder does the double-buffered step: publishes the next version, unpublishes the
+  one being read (at once, or once the coordinator has expired the reader; with a timeout)
+  and writes the version after into that memory the moment unpublish returns. Then the
+  route heals. Per trial: whether the coordinator expired the reader during the cut (and
+  still listed its lease then), and how long unpublish waited; summarized in one line.
 
 Every fetch is checked tensor by tensor (sha256) against the bytes published for that version:
 
@@ -26,7 +37,9 @@ Every fetch is checked tensor by tensor (sha256) against the bytes published for
 * mixed   -- every tensor matches some version, but not all the same one (or not the one asked),
 * lost    -- a version whose publish returned is later unknown, or a number handed out twice,
 * late    -- a fetch that failed after its deadline (plus slack), or without a clear error,
-* expired -- live workers expired by a coordinator that resumed from a pause.
+* expired -- live workers expired by a coordinator that resumed from a pause,
+* early   -- (reader-cut) an unpublish that drained while the cut-off reader's lease had not
+  yet lapsed on the coordinator (it cannot have been released: rule 3), shown as ``early drain``.
 
 All must be 0. Prints the counts of every action and, per fault kind, of every outcome;
 exits 1 otherwise.
@@ -35,7 +48,10 @@ exits 1 otherwise.
 loopback only): every restart is then a new election and a restore from etcd, and the
 counts are the same. (Failover between several coordinators: ``bench_failover.py``.)
 
-    python benchmarks/soak.py --trials 300 [--seed 1] [--mib 16] [--weight cut=4] [--store etcd] [--json out/soak.json]
+    python benchmarks/soak.py --trials 300 [--seed 1] [--mib 16] [--weight cut=4] [--only reader-cut]
+                              [--no-netns] [--store etcd] [--json out/soak.json]
+
+``--only KIND`` runs only that fault kind's trials (``none``: plain fetches).
 """
 
 from __future__ import annotations
@@ -70,17 +86,21 @@ CP_FETCH_TIMEOUT = 30.0
 CP_MIB, CP_RATE = 24, "40mbit"
 SLACK = 8.0  # release/retry after the deadline, process scheduling on 2 cores
 WORKER_TTL, LEASE_TTL = 2.0, 5.0
-KINDS = ("none", "kill", "hang", "coordinator", "cut", "pause")
+KINDS = ("none", "kill", "hang", "coordinator", "cut", "pause", "reader-cut")
+#: The kinds that need network namespaces (skipped on loopback).
+CONTROL_KINDS = ("cut", "pause", "reader-cut")
 OUTCOMES = ("ok", "clear", "torn", "mixed", "late", "lost", "not fired")
 
 
 #: How often each action is drawn (``--weight NAME=W`` changes one; 0 leaves it out).
 DEFAULT_WEIGHTS = {"publish": 3, "fetch": 6, "kill": 2, "hang": 2, "coordinator": 1, "unpublish": 3,
-                   "kill-idle": 1, "hang-idle": 1, "restart": 1, "cut": 1, "pause": 1}
+                   "kill-idle": 1, "hang-idle": 1, "restart": 1, "cut": 1, "pause": 1, "reader-cut": 1}
+#: The action that draws each fault kind's trials (``--only KIND``).
+KIND_ACTION = {"none": "fetch", **{k: k for k in KINDS if k != "none"}}
 
 
 def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bool] = None,
-        weights: Optional[dict[str, float]] = None, store: str = "sqlite") -> dict:
+        weights: Optional[dict[str, float]] = None, store: str = "sqlite", only: Optional[str] = None) -> dict:
     import testbed
 
     from tensorhub.testing import CoordinatorProcess, Faults, Worker, WorkerError, digest, make_weights
@@ -99,7 +119,9 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
     opts = dict(progress_timeout=2.0, heartbeat_interval=0.5, chunk_bytes=1 << 20)
     # r2 reads plain (the others pipelined); only r1 verifies per-chunk checksums: r0 and r2
     # rely on the protocol alone, so a fencing defect shows as torn/mixed, not a clear error.
-    per_worker = {"r0": dict(checksum="off"), "r2": dict(pipelined=False, checksum="off")}
+    per_worker = {"r0": dict(checksum="off"), "r2": dict(pipelined=False, checksum="off"),
+                  "holder": dict(checksum="off")}
+    reader_cuts: list[dict] = []  # per reader-cut trial that fired: expiry, unpublish's wait, outcome
     if store == "etcd":
         if netns:
             raise SystemExit("--store etcd runs on loopback only (pass --no-netns)")
@@ -109,7 +131,17 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
     else:
         why = "" if netns else "--no-netns"
     if not netns:
-        log(f"soak on loopback: the control-plane kinds (cut, pause) are skipped ({why})")
+        log(f"soak on loopback: the control-plane kinds ({', '.join(CONTROL_KINDS)}) are skipped ({why})")
+    if only is not None:
+        if only not in KIND_ACTION:
+            raise ValueError(f"unknown fault kind {only!r}; known: {list(KINDS)}")
+        if only in CONTROL_KINDS and not netns:
+            raise SystemExit(f"--only {only} needs network namespaces ({why})")
+        weights = {KIND_ACTION[only]: 1}  # that kind's trials and nothing else
+    w8 = dict({a: 0 for a in DEFAULT_WEIGHTS} if only else DEFAULT_WEIGHTS, **(weights or {}))
+    if not netns:
+        for k in CONTROL_KINDS:
+            w8[k] = 0
 
     def problem(what: str, kind: str, msg: str) -> None:
         bad.append((what, kind, msg))
@@ -117,9 +149,10 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
 
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         if netns:
-            tb = stack.enter_context(testbed.Testbed({"a": len(names)}, host_rate="1gbit",
+            # one host more: the reader-cut kind's holder (a trainer that publishes without checksums)
+            tb = stack.enter_context(testbed.Testbed({"a": len(names) + 1}, host_rate="1gbit",
                                                      tag=f"sk{os.getpid() % 100000}"))
-            hosts = {n: f"a{i}" for i, n in enumerate(names)}
+            hosts = {n: f"a{i}" for i, n in enumerate(names + ["holder"])}
             coord = CoordinatorProcess(Path(tmp) / "state", netns=tb.core, host=tb.coordinator_ip,
                                        extra=("--worker-ttl", str(WORKER_TTL), "--lease-ttl", str(LEASE_TTL)))
         else:
@@ -158,12 +191,12 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
                     spawn(n)
                     counts["respawn"] += 1
 
-        def record(v: int, s: int, kind: str, nbytes: int = size) -> None:
+        def record(v: int, s: int, kind: str, nbytes: int = size, digests: Optional[dict] = None) -> None:
             if issued and v <= max(issued):
                 problem("lost", kind, f"version {v} handed out again (had {max(issued)})")
             issued.append(v)
             issued_during[v] = kind
-            expected[v] = digest(make_weights(s, nbytes))
+            expected[v] = digests if digests is not None else digest(make_weights(s, nbytes))
             for d in expected[v].values():
                 by_digest[d] = v
 
@@ -351,6 +384,172 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
                         stuck("trainer", "unpublish", kind, time.monotonic() - t1)
                 faults.slow(ns("trainer"), "eth0", tb.host_rate)  # back to the testbed's link
 
+        def status_or_none() -> tuple[Optional[dict], float]:
+            """The coordinator's status, and when it was asked (before its answer was made)."""
+            sent = time.monotonic()
+            try:
+                return faults.status(timeout=2.0), sent
+            except Exception:  # busy: the next poll
+                return None, sent
+
+        def reader_cut() -> None:
+            """A read of a version only the holder holds (published with checksums off), over
+            its slowed uplink; the reader's route to the coordinator cut for 1.3-2 x worker_ttl
+            while it reads; during the cut the holder's double-buffered step: publish the next
+            version, unpublish the one being read, write the version after into its memory the
+            moment unpublish returns. Only the fencing keeps those bytes out of the read."""
+            kind = "reader-cut"
+            readers = [n for n in names[1:] if ready(n)]
+            if tb is None or not readers or "holder" not in workers:
+                return
+            if not workers["holder"].proc.is_alive():
+                workers["holder"].kill()
+                spawn("holder")
+                counts["respawn"] += 1
+            holder = workers["holder"]
+            big = max(CP_MIB << 20, 3 * size)
+            s, s2, s3 = (rng.randrange(1 << 30) for _ in range(3))
+            d1, d2, d3 = (digest(make_weights(x, big)) for x in (s, s2, s3))  # ahead: none while the cut runs
+            try:
+                old = [h[1] for h in holder.call("held", timeout=30)]
+                v = holder.call("publish", timeout=60, seed=s, nbytes=big)
+            except WorkerError as e:
+                failed(e, 0.0, 60, kind, "publish", "holder")
+                return
+            except TimeoutError:
+                stuck("holder", "publish", kind, 60)
+                return
+            record(v, s, kind, big, d1)
+            counts["publish"] += 1
+            for ov in old:  # what the holder kept from earlier trials (older than v): free its memory
+                try:
+                    holder.call("unpublish", timeout=30 + SLACK, version=ov, drain_timeout=5.0)
+                except WorkerError as e:
+                    counts[f"reader-cut: freeing an old version refused: {e.kind}"] += 1
+                except TimeoutError:
+                    stuck("holder", "unpublish", kind, 30 + SLACK)
+                    return
+            name = rng.choice(readers)
+            w = workers[name]
+            by_kind[kind]["fetches"] += 1
+            counts[f"{kind}: read by a {'plain' if name == 'r2' else 'pipelined'} reader"] += 1
+            faults.slow(ns("holder"), "eth0", CP_RATE)
+            trial: dict[str, Any] = {"reader": name, "version": v}
+            sent_unpublish = False
+            lease_until: Optional[float] = None  # no earlier than this, the coordinator lets the reader's lease lapse
+            t_ret: Optional[float] = None  # unpublish was seen answered by then, the reader still cut off
+            before = Counter(by_kind[kind])
+            t0 = t_unp = time.monotonic()
+            try:
+                w.send("fetch", version=v, fetch_timeout=CP_FETCH_TIMEOUT, serve=rng.random() < 0.5)
+                if not wait_until(lambda: Faults._reading(faults.status(), w.worker_id, holder.worker_id), 10):
+                    counts[f"fault not fired (read too short): {kind}"] += 1
+                    by_kind[kind]["not fired"] += 1
+                else:
+                    counts[f"fault during fetch: {kind}"] += 1
+                    hold = WORKER_TTL * rng.uniform(1.3, 2.0)
+                    reset = rng.random() < 0.5
+                    early = rng.random() < 0.5  # unpublish at once (waiting across the expiry), or once expired
+                    trial.update(hold=round(hold, 2), reset=reset, unpublish_at="cut" if early else "expiry",
+                                 expired=False, lease_kept=None)
+                    faults.cut(ns(name), tb.coordinator_ip, reset=reset)
+                    t_cut = time.monotonic()
+
+                    def watch() -> None:
+                        """One look at the coordinator while the reader is cut off: its lease on v
+                        (nothing of the reader reaches the coordinator now, so only the lease's
+                        lapse may end it) and its registration."""
+                        nonlocal lease_until
+                        st, sent = status_or_none()
+                        if st is None:
+                            return
+                        mine = [l for l in st["leases"] if l["worker_id"] == w.worker_id and l["version"] == v]
+                        for l in mine:
+                            lease_until = max(lease_until or 0.0, sent + l["expires_in"])
+                        if not trial["expired"] and w.worker_id not in {x["worker_id"] for x in st["workers"]}:
+                            # the coordinator expired the reader: does it still count its lease?
+                            trial.update(expired=True, expired_after=round(time.monotonic() - t_cut, 2),
+                                         lease_kept=bool(mine))
+                            if not sent_unpublish:
+                                send_unpublish()
+
+                    try:
+                        v2 = holder.call("publish", timeout=60, seed=s2, nbytes=big)
+                        record(v2, s2, kind, big, d2)
+                        counts["publish"] += 1
+                        # known before the read is checked, so that bytes of it count as mixed, not torn
+                        for dg in d3.values():
+                            by_digest[dg] = v2 + 1
+                    except WorkerError as e:
+                        failed(e, 0.0, 60, kind, "publish", "holder")
+                        v2 = None
+                    except TimeoutError:
+                        stuck("holder", "publish", kind, 60)
+                        v2 = None
+
+                    def send_unpublish() -> None:
+                        nonlocal sent_unpublish, t_unp
+                        if v2 is None:
+                            return  # no next version: the step is skipped
+                        if not w.conn.poll():
+                            counts[f"{kind}: unpublished mid-read"] += 1
+                        holder.send("unpublish", version=v, refill=s3, drain_timeout=CP_FETCH_TIMEOUT + LEASE_TTL)
+                        sent_unpublish, t_unp = True, time.monotonic()
+
+                    watch()  # the reader's lease, once the cut is in place
+                    if early:
+                        send_unpublish()
+                    while time.monotonic() < t_cut + hold:
+                        watch()
+                        if sent_unpublish and t_ret is None and holder.conn.poll():
+                            t_ret = time.monotonic()  # answered (drained or not) while the reader is cut off
+                            trial["unpublish_returned_after"] = round(t_ret - t_cut, 2)
+                        time.sleep(0.1)
+                    if lease_until is not None:
+                        trial["lease_lapses_after"] = round(lease_until - t_cut, 2)
+                    if not sent_unpublish:
+                        send_unpublish()  # never seen expired: unpublish anyway, as the cut ends
+                    faults.heal(ns(name), tb.coordinator_ip)
+                    t_heal = time.monotonic()
+                    if not wait_until(lambda: w.worker_id in registered(), 20):
+                        problem("late", kind, f"{w.worker_id} did not re-register within 20s of healing")
+                    else:
+                        trial["reregistered_after_heal"] = round(time.monotonic() - t_heal, 2)
+                got = w.result(timeout=CP_FETCH_TIMEOUT + SLACK + 30)
+                trial["fetch_s"] = round(time.monotonic() - t0, 1)
+                check(got, v, kind)
+            except WorkerError as e:
+                trial["fetch_s"] = round(time.monotonic() - t0, 1)
+                failed(e, time.monotonic() - t0, CP_FETCH_TIMEOUT, kind, who=name)
+            except TimeoutError:
+                stuck(name, "fetch", kind, CP_FETCH_TIMEOUT + SLACK + 30)
+            finally:
+                faults.heal_all()
+                if sent_unpublish:
+                    try:
+                        r = holder.result(timeout=CP_FETCH_TIMEOUT + LEASE_TTL + SLACK + 30)
+                        record(r["version"], s3, kind, big, d3)
+                        counts["unpublish ok"] += 1
+                        trial.update(unpublish="drained", unpublish_waited=round(r["waited"], 2))
+                        if t_ret is not None and lease_until is not None and t_ret < lease_until - 0.2:
+                            # invariant 3: the reader could not release (cut off), its lease had not lapsed
+                            problem("early", kind, f"unpublish of v{v} drained {lease_until - t_ret:.1f}s before "
+                                                   f"the lease of {w.worker_id} (cut off, expired: {trial['expired']}) "
+                                                   f"lapsed on the coordinator; v{v}'s memory was overwritten then")
+                            trial["early"] = True
+                    except WorkerError as e:
+                        trial.update(unpublish=e.kind, unpublish_waited=round(time.monotonic() - t_unp, 2))
+                        if e.kind in CLEAR_ERRORS:
+                            counts[f"unpublish refused: {e.kind}"] += 1
+                        else:
+                            problem("late", kind, f"unpublish: unclear error {e.kind}")
+                    except TimeoutError:
+                        stuck("holder", "unpublish", kind, time.monotonic() - t_unp)
+                faults.slow(ns("holder"), "eth0", tb.host_rate)  # back to the testbed's link
+                if "hold" in trial:
+                    trial["outcome"] = ",".join(sorted((Counter(by_kind[kind]) - before) - Counter(fetches=1))) or "?"
+                    reader_cuts.append(trial)
+
         def unpublish() -> None:
             cands = [n for n in names if ready(n)]
             name = rng.choice(cands)
@@ -402,14 +601,14 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
 
         for n in names:
             spawn(n)
+        if tb is not None and w8.get("reader-cut", 0) > 0:
+            spawn("holder")
         publish()
         actions = {"publish": publish, "fetch": lambda: fetch(), "kill": lambda: fetch("kill"),
                    "hang": lambda: fetch("hang"), "coordinator": lambda: fetch("coordinator"),
                    "unpublish": unpublish, "kill-idle": kill, "hang-idle": hang, "restart": restart,
-                   "cut": lambda: control_fault("cut"), "pause": lambda: control_fault("pause")}
-        w8 = dict(DEFAULT_WEIGHTS, **(weights or {}))
-        if tb is None:
-            w8["cut"] = w8["pause"] = 0
+                   "cut": lambda: control_fault("cut"), "pause": lambda: control_fault("pause"),
+                   "reader-cut": reader_cut}
         unknown = set(w8) - set(actions)
         if unknown:
             raise ValueError(f"unknown soak actions {sorted(unknown)}; known: {sorted(actions)}")
@@ -447,8 +646,29 @@ def run(trials: int, seed: int = 1, mib: int = 16, log=print, netns: Optional[bo
     return {"trials": trials, "seed": seed, "store": store, "seconds": time.monotonic() - t_start, "counts": dict(counts),
             "netns": bool(tb), "by_kind": {k: dict(by_kind[k]) for k in KINDS if k in by_kind},
             "torn": kinds["torn"], "mixed": kinds["mixed"], "lost": kinds["lost"], "late": kinds["late"],
-            "expired": kinds["expired"], "problems": [f"{what} [{kind}]: {msg}" for what, kind, msg in bad],
-            "versions": len(issued), "clear_errors": clear}
+            "expired": kinds["expired"], "early": kinds["early"], "problems": [f"{what} [{kind}]: {msg}" for what, kind, msg in bad],
+            "versions": len(issued), "clear_errors": clear, "reader_cut": reader_cuts}
+
+
+def reader_cut_summary(trials: list[dict]) -> str:
+    """One line for the reader-cut kind: trials fired, readers the coordinator expired during
+    the cut (and how many of their leases it still listed then), unpublish's wait."""
+    waited = sorted(t["unpublish_waited"] for t in trials if "unpublish_waited" in t)
+    expired = [t for t in trials if t.get("expired")]
+
+    def pct(q: float) -> float:
+        return waited[min(len(waited) - 1, int(q * len(waited)))]
+
+    line = (f"reader-cut: {len(trials)} fired, reader expired during the cut in {len(expired)} "
+            f"(its lease still listed in {sum(1 for t in expired if t.get('lease_kept'))}), ")
+    if waited:
+        line += (f"unpublish waited p50 {pct(0.5):.1f}s max {waited[-1]:.1f}s "
+                 f"(drained in {sum(1 for t in trials if t.get('unpublish') == 'drained')}, "
+                 f"answered during the cut in {sum(1 for t in trials if 'unpublish_returned_after' in t)}, "
+                 f"before the lease lapsed in {sum(1 for t in trials if t.get('early'))})")
+    else:
+        line += "no unpublish"
+    return line
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -456,11 +676,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--trials", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--mib", type=int, default=16, help="version size")
-    ap.add_argument("--no-netns", action="store_true", help="run on loopback (no cut/pause kinds)")
+    ap.add_argument("--no-netns", action="store_true", help="run on loopback (no cut/pause/reader-cut kinds)")
     ap.add_argument("--weight", action="append", default=[], metavar="ACTION=W",
                     help=f"how often an action is drawn (defaults: {DEFAULT_WEIGHTS}); 0 leaves it out")
     ap.add_argument("--store", choices=["sqlite", "etcd"], default="sqlite",
                     help="the coordinator's store (etcd: a real etcd member on loopback; implies --no-netns)")
+    ap.add_argument("--only", choices=KINDS, metavar="KIND",
+                    help=f"run only that fault kind's trials (one of {', '.join(KINDS)}; none: plain fetches)")
     ap.add_argument("--json", default="out/soak.json")
     args = ap.parse_args(argv)
     weights = {}
@@ -468,7 +690,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         name, _, w = item.partition("=")
         weights[name.strip()] = float(w)
     r = run(args.trials, args.seed, args.mib, netns=False if args.no_netns or args.store == "etcd" else None,
-            weights=weights, store=args.store)
+            weights=weights, store=args.store, only=args.only)
     print(f"soak: {r['trials']} trials, {r['versions']} versions, {r['seconds']:.0f}s (seed {r['seed']}, "
           f"{'network namespaces' if r['netns'] else 'loopback'}, {r['store']} store)")
     for k, n in sorted(r["counts"].items()):
@@ -477,8 +699,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"  {'kind':<12}" + "".join(f"{o:>10}" for o in ("fetches",) + OUTCOMES))
     for kind, c in r["by_kind"].items():
         print(f"  {kind:<12}" + "".join(f"{c.get(o, 0):>10}" for o in ("fetches",) + OUTCOMES))
+    if r["reader_cut"]:
+        print(reader_cut_summary(r["reader_cut"]))
     print(f"torn {r['torn']}  mixed {r['mixed']}  lost {r['lost']}  late/unclear {r['late']}  "
-          f"expired at resume {r['expired']}")
+          f"expired at resume {r['expired']}  early drain {r['early']}")
     for p in r["problems"][:20]:
         print(f"  PROBLEM {p}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
