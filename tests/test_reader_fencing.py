@@ -23,31 +23,13 @@ import pytest
 
 from tensorhub import ConflictError
 from tensorhub._state import CoordinatorState, StateConfig
-from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica
+from tensorhub._wire import AcquireLease, Locality
+
+# The same world as the holder-side scenarios (synthetic clock, the shell's expiry ticks).
+from test_consistency_state import reg, tick  # noqa: E402
+from test_consistency_state import ticking as world  # noqa: E402
 
 LOC = Locality(datacenter="d", zone="z", host="h")
-MAN = Manifest.model_validate({"tensors": [{"name": "w", "dtype": "float32", "shape": [4], "nbytes": 16}]})
-
-
-def reg(worker: str, v: int, addr: int, **kw) -> RegisterReplica:
-    return RegisterReplica(worker_id=worker, model="m", version=v, manifest=MAN, addresses=[addr], **kw)
-
-
-def world(cfg: StateConfig, *workers: str) -> CoordinatorState:
-    st = CoordinatorState(cfg, now=0.0)
-    for w in workers:
-        st.register_worker(0, w, f"ep-{w}", LOC)
-    return st
-
-
-def tick(st: CoordinatorState, t0: float, t1: float, alive: tuple[str, ...]) -> None:
-    """The shell's expiry ticker (every 0.5 s) from t0 to t1; ``alive`` heart-beat."""
-    t = t0
-    while t < t1:
-        t = min(t1, t + 0.5)
-        for w in alive:
-            st.heartbeat(t, w)
-        st.expire(t)
 
 
 # ---------------------------------------------------------------------------- item 1
