@@ -153,6 +153,10 @@ class PipelinedReader(ShardReader):
             return super().run(get_sources, report, **kw)
         finally:
             self._close_maps()
+            # The run's failure callback closes over the fetch, which holds this reader:
+            # dropped here, so a fetched copy is freed (its arena pooled) the moment the
+            # caller drops it, not at the next garbage collection.
+            self._fail = None
 
     def _order(self, todo) -> deque:
         wanted = set(todo)
@@ -254,7 +258,7 @@ class PipelinedReader(ShardReader):
                 fresh = get_sources(set(failed))
                 sources[:] = [s for s in fresh if s.replica_id not in failed]
             return  # a fixed plan: nothing more to learn from the coordinator
-        idle = not sources or any(busy.get(s.replica_id, 0) < self.depth for s in sources)
+        idle = not sources or any(busy.get(s.replica_id, 0) < self.depth_of(s) for s in sources)
         if not need or now - self._last_refresh < self.refresh_interval * (1 if idle else 2):
             return
         # Beyond the budget only when something went wrong: a source failed since the last
@@ -278,7 +282,7 @@ class PipelinedReader(ShardReader):
         for src in sources:
             if getattr(src, "status_addr", None) is None or src.replica_id in self._map_pending:
                 continue
-            if busy.get(src.replica_id, 0) >= self.depth:
+            if busy.get(src.replica_id, 0) >= self.depth_of(src):
                 continue  # it has work: its map is read when it idles
             rid = src.replica_id
             have = self.avail.get(rid)

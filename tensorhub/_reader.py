@@ -112,6 +112,14 @@ class ShardReader:
         """Chunks as lists of (tensor index, offset in tensor, length)."""
         return cut(self.sizes, chunk_bytes)
 
+    def depth_of(self, src: Source) -> int:
+        """Batches in flight per source: twice ``depth`` for one this process copies from on
+        its own host (``SameHostTransport.local``): the copy pool then always has the next
+        chunk queued while the loop sleeps between polls (at ``depth`` the gaps cost a same-host
+        read ~30% of its speed; over the network they hide behind the wire)."""
+        local = getattr(self.t, "local", None)
+        return self.depth * 2 if local is not None and local(src) else self.depth
+
     def chunk_bytes(self, c: int) -> int:
         return sum(p[2] for p in self.chunks[c])
 
@@ -255,7 +263,7 @@ class ShardReader:
             while need and progressed:
                 progressed = False
                 for src in sorted(sources, key=lambda s: self._preference(s, busy[s.replica_id])):
-                    if not need or busy[src.replica_id] >= self.depth:
+                    if not need or busy[src.replica_id] >= self.depth_of(src):
                         continue
                     c = self._pick(src, need, sources, inflight, now)
                     if c is None:

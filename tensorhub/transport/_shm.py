@@ -674,6 +674,15 @@ class SameHostTransport(Transport):
         with self._mlock:
             for k in [k for k in self._mapped if k[0] in lease_ids]:
                 del self._mapped[k]
+        self.cuda.forget(lease_ids)  # CUDA blocks no other lease of ours names: closed
+
+    def local(self, src: Any) -> bool:
+        """Whether reads from ``src`` are copied here (its arenas mapped, its memory
+        cross-read, or its CUDA blocks opened), as far as this lease has asked; the reader
+        keeps more of them in flight."""
+        with self._mlock:
+            m = self._mapped.get((src.lease_id, src.replica_id))
+        return m is not None and (bool(m.arenas) or bool(m.pid) or m.cuda is not None)
 
     def map_regions(self, src: Any, regions: Sequence[tuple[int, int]]) -> Optional[list[Any]]:
         """Read-only uint8 views of ``regions`` (``(address, nbytes)`` in source ``src``'s
