@@ -21,8 +21,18 @@ after saying so; exit 0 when they pass):
    place; engine E2 starts raw from E1's native shard; the trainer publishes v2; E2 holds a
    lease on E1's v1 while E1 swaps, and E1 must not write its parameters before E2
    released it (the drain rule); E2 then swaps raw to v2. Bytes checked on the device.
-4. **Figures**: GB/s of every path next to torch's device-to-device, host-to-device and
-   device-to-host copies (CPU: a host memcpy), as ``gpu_check.json`` and ``gpu_check.txt``.
+4. **Same-host CUDA IPC** (``tensorhub/transport/_cudaipc.py``; GPU only, skipped with the
+   reason on CPU): holder H publishes many CUDA tensors allocated one by one by torch's
+   caching allocator (hundreds of small ones share each 2 MiB block segment, medium ones
+   share 20 MiB segments, large ones have their own); reader R on the same host (its Hub's
+   own transport: the same-host wrapper is on) fetches them into preallocated device
+   tensors and into host memory. Bytes compared on the device; R's transport must have
+   copied every byte through CUDA IPC (``cuda_bytes``), none over Mooncake, and have
+   closed every block once the reads ended. The other steps run with
+   ``TENSORHUB_SAMEHOST=0``, so their figures stay Mooncake's.
+5. **Figures**: GB/s of every path next to torch's device-to-device, host-to-device and
+   device-to-host copies (CPU: a host memcpy), as ``gpu_check.json`` and ``gpu_check.txt``;
+   the CUDA IPC paths next to torch's device-to-device copy of the same bytes.
 
 Any failed step ends with ``GPU CHECK FAILED: ...`` and exit 1. The NVLink transport is a
 probe: when the wheel lacks it, or TensorHub's transport cannot run on it, the reason is
@@ -72,6 +82,33 @@ def weights(seed: int, nbytes: int, device: str) -> dict:
     return {k: v.to(device) for k, v in w.items()}
 
 
+def ipc_weights(seed: int, nbytes: int, device: str) -> dict:
+    """Tensors of about ``nbytes`` for the CUDA IPC step, allocated one by one by torch's
+    caching allocator before any is filled (nothing else allocates between them): 256 small
+    ones of 4-64 KiB (packed into the small pool's 2 MiB segments, many per segment), 8 of
+    3 MiB (carved from 20 MiB segments, several per segment), the rest 32 MiB ones (a segment
+    each). Values: a pattern of ``seed`` and the tensor's index, the same in every process."""
+    import torch
+
+    small = [(4096, 8192, 16384, 65536)[i % 4] for i in range(256)]
+    medium = [3 * MiB] * 8
+    rest = max(0, nbytes - sum(small) - sum(medium))
+    sizes = small + medium + [32 * MiB] * (rest // (32 * MiB)) + ([rest % (32 * MiB)] if rest % (32 * MiB) else [])
+    raw = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+    dtypes = (torch.bfloat16, torch.float32, torch.uint8, torch.int64)
+    out = {}
+    for i, t in enumerate(raw):
+        t.copy_((torch.arange(t.numel(), dtype=torch.int32, device=device) * (i % 13 + 1) + seed * 7919 + i)
+                .remainder_(251).to(torch.uint8))  # (int32: no overflow up to 2**31 / 13 bytes a tensor)
+        out[f"ipc.{i}"] = t.view(dtypes[i % 4]) if t.numel() % 8 == 0 else t
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return out
+
+
+MAKE = {"weights": weights, "ipc": ipc_weights}
+
+
 def differing(got: dict, want: dict) -> list[str]:
     """Names whose bytes differ, compared where ``want`` lives (the device)."""
     import torch
@@ -119,11 +156,21 @@ class Role:
 
             torch.cuda.synchronize()
 
-    def publish(self, seed: int, nbytes: int) -> dict:
-        w = weights(seed, nbytes, self.device)
+    def publish(self, seed: int, nbytes: int, kind: str = "weights") -> dict:
+        w = MAKE[kind](seed, nbytes, self.device)
         v = self.hub.publish(MODEL, w)
         self.kept[f"v{v}"] = w
-        return {"version": v, "nbytes": sum(t.numel() * t.element_size() for t in w.values())}
+        return {"version": v, "nbytes": sum(t.numel() * t.element_size() for t in w.values()), "tensors": len(w)}
+
+    def transport_stats(self) -> dict:
+        """The same-host wrapper's counters (``transport/_shm``): bytes copied same-host, of
+        them through CUDA IPC, batches over Mooncake, CUDA blocks opened / open now."""
+        t = self.hub._session._transport
+        opened = getattr(t, "cuda", None)
+        return {"copied_bytes": getattr(t, "copied_bytes", 0), "cuda_bytes": getattr(t, "cuda_bytes", 0),
+                "inner_batches": getattr(t, "inner_batches", 0),
+                "cuda_opens": opened.opens if opened is not None else 0,
+                "cuda_open_now": len(opened) if opened is not None else 0}
 
     def _empty(self, version: int, names: Optional[list] = None) -> dict:
         import torch
@@ -142,13 +189,13 @@ class Role:
         self.kept["prealloc"] = bufs
 
     def fetch(self, version: int, seed: int, nbytes: int, dest: str, serve: bool,
-              names: Optional[list] = None) -> dict:
+              names: Optional[list] = None, kind: str = "weights") -> dict:
         into = None if dest == "host" else self.kept["prealloc"] if dest == "prealloc" else self._empty(version, names)
         t0 = time.perf_counter()
         f = self.hub.fetch(MODEL, version, into=into, serve=serve, names=names)
         wall = time.perf_counter() - t0
         self._sync()
-        want = weights(seed, nbytes, self.device)
+        want = MAKE[kind](seed, nbytes, self.device)
         if names is not None:
             want = {k: v for k, v in want.items() if k in names}
         bad = differing(dict(f), want)
@@ -362,8 +409,10 @@ def data_plane(protocol: str, device: str, nbytes: int, work: Path, timeout: flo
     from tensorhub.testing import CoordinatorProcess
 
     env = protocol_env(protocol)
-    # Mooncake reads "" as unset only for some variables: drop them instead.
+    # Mooncake reads "" as unset only for some variables: drop them instead. Same-host reads
+    # off: these figures are Mooncake's (the CUDA IPC step measures the same-host path).
     child_env = {k: v for k, v in env.items() if v}
+    child_env["TENSORHUB_SAMEHOST"] = "0"
     for k in env:
         os.environ.pop(k, None)
     coord = CoordinatorProcess(work / f"state-{protocol}")
@@ -415,7 +464,7 @@ def native_layout(device: str, hidden: int, layers: int, work: Path, timeout: fl
 
     for k in ("MC_FORCE_TCP", "MC_INTRANODE_NVLINK"):
         os.environ.pop(k, None)
-    env = {"MC_FORCE_TCP": "1"}
+    env = {"MC_FORCE_TCP": "1", "TENSORHUB_SAMEHOST": "0"}  # over Mooncake, as the figures say
     coord = CoordinatorProcess(work / "state-native")
     procs: list[Proc] = []
     shape = {"hidden": hidden, "layers": layers}
@@ -450,6 +499,77 @@ def native_layout(device: str, hidden: int, layers: int, work: Path, timeout: fl
                           "first_write_after_release_s": swap["first_write"] - rel["at"], "lease_valid": rel["valid"],
                           "unchanged_while_draining": swap["unchanged_while_draining"]},
                 "swap": swap, "raw_swap": raw_swap, "bytes_verified": True}
+    finally:
+        for p in procs:
+            p.close()
+        coord.stop()
+
+
+def d2d_gbps(device: str, nbytes: int) -> float:
+    """torch's device-to-device copy of ``nbytes`` on ``device``, best of 3 after a warm-up."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(4):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del a, b
+    torch.cuda.empty_cache()
+    return nbytes / min(times[1:]) / 1e9
+
+
+def cuda_ipc(device: str, nbytes: int, work: Path, timeout: float) -> dict:
+    """Same-host reads of CUDA memory through CUDA IPC handles (the module docstring, step 4)."""
+    from tensorhub.testing import CoordinatorProcess
+
+    if device == "cpu":
+        return {"status": "skipped", "reason": "no GPU: CUDA IPC moves device memory only"}
+    for k in ("MC_FORCE_TCP", "MC_INTRANODE_NVLINK", "TENSORHUB_SAMEHOST"):
+        os.environ.pop(k, None)
+    env = {"MC_FORCE_TCP": "1", "TENSORHUB_SAMEHOST": "1"}  # Mooncake only where CUDA IPC cannot go
+    coord = CoordinatorProcess(work / "state-cuda-ipc")
+    procs: list[Proc] = []
+    try:
+        url = coord.start()
+        procs += [Proc(url, n, device, env, timeout, chunk_bytes=max(MiB, nbytes // 8))
+                  for n in ("ipc-holder", "ipc-reader")]
+        holder, reader = (p.ready() for p in procs)
+        pub = holder.call("publish", seed=3, nbytes=nbytes, kind="ipc")
+        v, total = pub["version"], pub["nbytes"]
+        kw = {"version": v, "seed": 3, "nbytes": nbytes, "serve": False, "kind": "ipc"}
+        first = reader.call("fetch", dest="fresh", names=["ipc.0"], **kw)  # (the reader's CUDA context, the handshake)
+        require(first["bytes_verified"], f"CUDA IPC: the first tensor differs: {first['differing']}")
+        reader.call("alloc", version=v)
+        paths = []
+        for dest, label in (("prealloc", "R <- H into preallocated device memory"),
+                            ("host", "R <- H into host memory (fetch's default)")):
+            before = reader.call("transport_stats")
+            r = reader.call("fetch", dest=dest, **kw)
+            after = reader.call("transport_stats")
+            r.update(path=label, cuda_bytes=after["cuda_bytes"] - before["cuda_bytes"],
+                     mooncake_batches=after["inner_batches"] - before["inner_batches"],
+                     blocks_opened=after["cuda_opens"] - before["cuda_opens"], blocks_open_after=after["cuda_open_now"])
+            paths.append(r)
+            require(r["bytes_verified"], f"CUDA IPC into {dest} memory: bytes differ in {r['differing']}")
+            require(set(r["sources"]) == {"ipc-holder"}, f"CUDA IPC into {dest}: read from {r['sources']}")
+            require(r["cuda_bytes"] == r["nbytes"] == total,
+                    f"CUDA IPC into {dest}: the transport copied {r['cuda_bytes']} bytes through CUDA IPC, "
+                    f"not the {total} fetched ({r['mooncake_batches']} batches over Mooncake; see the reader's log)")
+            require(r["mooncake_batches"] == 0, f"CUDA IPC into {dest}: {r['mooncake_batches']} batches over Mooncake")
+            require(0 < r["blocks_opened"] < pub["tensors"],
+                    f"CUDA IPC into {dest}: {r['blocks_opened']} blocks opened for {pub['tensors']} tensors "
+                    "(each block should be opened once, many tensors share one)")
+            require(r["blocks_open_after"] == 0, f"CUDA IPC: {r['blocks_open_after']} blocks still open after the read")
+        d2d = d2d_gbps(device, total)
+        for r in paths:
+            r["vs_d2d"] = r["gbps"] / d2d if r["gbps"] else None
+        return {"status": "ok", "nbytes": total, "tensors": pub["tensors"], "d2d_gbps": d2d, "paths": paths,
+                "bytes_verified": True}
     finally:
         for p in procs:
             p.close()
@@ -636,6 +756,16 @@ def table(report: dict) -> str:
         d = nat["drain"]
         rows.append(f"native drain rule: E1's swap waited {d['swap_waited_s']:.2f}s for E2's lease "
                     f"(held {d['lease_held_s']:.2f}s), first write {d['first_write_after_release_s']:.3f}s after release")
+    ipc = report.get("cuda_ipc") or {}
+    if ipc.get("status") == "ok":
+        for p in ipc["paths"]:
+            rows.append(f"{'[cuda-ipc] ' + p['path']:58} {p['nbytes'] / 1e6:8.1f} {p['gbps'] or 0:7.2f} "
+                        f"{p['wall_gbps']:9.2f}  {'verified' if p['bytes_verified'] else 'DIFFER'}")
+        rows.append(f"{'[cuda-ipc] torch device-to-device copy, same bytes':58} {ipc['nbytes'] / 1e6:8.1f} "
+                    f"{ipc['d2d_gbps']:7.2f}   (CUDA IPC / D2D: "
+                    + ", ".join(f"{p['dest']} {p['vs_d2d'] or 0:.2f}x" for p in ipc["paths"]) + ")")
+    elif ipc:
+        rows.append(f"[cuda-ipc] same-host CUDA IPC {ipc.get('status')}: {ipc.get('reason')}")
     for b in report["baselines"]:
         rows.append(f"{b['name']:58} {report['baseline_bytes'] / 1e6:8.1f} {b['gbps']:7.2f}")
     w = report["wheels"]
@@ -697,6 +827,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"gpu_check: {e}", flush=True)
         print("gpu_check: engine-native layout", flush=True)
         report["native"] = native_layout(device, hidden, layers, work, args.timeout, args.hold)
+        print(f"gpu_check: same-host CUDA IPC ({nbytes / MiB:.0f} MiB)" if gpu else
+              "gpu_check: same-host CUDA IPC skipped: no GPU: CUDA IPC moves device memory only", flush=True)
+        try:
+            report["cuda_ipc"] = cuda_ipc(device, nbytes, work, args.timeout)
+        except CheckFailed as e:  # recorded beside the other figures, then the check fails
+            report["cuda_ipc"] = {"status": "failed", "reason": str(e)}
+        require(report["cuda_ipc"]["status"] in ("ok", "skipped"),
+                f"same-host CUDA IPC: {report['cuda_ipc'].get('reason')}")
         report["ok"] = True
     except CheckFailed as e:
         report["error"] = str(e)

@@ -6,7 +6,8 @@ answers only a reader that (1) runs as our uid or root (``SO_PEERCRED``, checked
 transport) and (2) holds a lease, valid now by the coordinator's word, that names the
 replica it asks for, and proves it: the proof (``_wire.lease_proof``, keyed by the lease's
 secret) is checked by the coordinator, not here -- the holder never learns the secret, and
-no API token crosses the socket. The answer then covers exactly that replica's memory.
+no API token crosses the socket. The answer then covers exactly that replica's memory
+(for CUDA tensors: IPC handles of the blocks behind them, clipped to its regions).
 """
 
 from __future__ import annotations
@@ -45,5 +46,14 @@ def wrap(inner: Transport, session: Any) -> Transport:
         skip = held.chunkmap.region if held.chunkmap is not None else None
         return [r for r in held.regions if r != skip]
 
+    def tensors(replica_id: str) -> list[Any]:
+        """The replica's tensors, asked after ``authorize`` confirmed the lease: the CUDA ones
+        among them are served through CUDA IPC (``transport/_cudaipc``)."""
+        held = session.holdings.find(replica_id)
+        if held is None:
+            return []
+        ts = held.tensors
+        return list(ts.values() if hasattr(ts, "values") else ts or ())
+
     return SameHostTransport(inner, host_label=session.locality.host, authorize=authorize,
-                             worker_id=session.worker_id)
+                             worker_id=session.worker_id, tensors=tensors)

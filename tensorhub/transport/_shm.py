@@ -32,6 +32,10 @@ Two halves, both in every process that uses a Hub:
   reader probes one byte first and, if the kernel refuses, reads over the wrapped
   transport). A partial replica (a reader still receiving) is served the same way, for the
   chunks its chunk map says are ready: the reader's loop only asks for those.
+  CUDA memory (caching-allocator blocks included) is read through CUDA IPC handles
+  (``_cudaipc``: the holder answers ``cuda``, its blocks, to a reader that can use CUDA,
+  which opens each once, copies with ``cudaMemcpyAsync`` and closes them when its read run
+  ends; or, where it cannot open them, reads over the wrapped transport).
   Batches it cannot serve so (other hosts, ``TENSORHUB_SAMEHOST_VM=0`` for user memory)
   go to the wrapped transport unchanged.
 
@@ -75,7 +79,7 @@ from typing import Any, Callable, Optional, Sequence
 from .. import envs
 from .._exceptions import TransferError
 from .._wire import lease_proof
-from . import _vm
+from . import _cudaipc, _vm
 from ._base import DONE, PENDING, ReadOp, Transport
 
 __all__ = ["SameHostTransport", "empty", "arena_of", "host_identity", "pool_bytes", "trim", "socket_name",
@@ -84,9 +88,9 @@ __all__ = ["SameHostTransport", "empty", "arena_of", "host_identity", "pool_byte
 logger = logging.getLogger(__name__)
 
 _PAGE = mmap.PAGESIZE
-#: Largest request / answer on the fd socket, and most arenas (fds) in one answer.
-_MAX_MSG = 1 << 16
-_MAX_FDS = 250
+#: Largest request / one read of an answer on the fd socket, the largest answer (CUDA block
+#: descriptions: read until the holder closes), and most arenas (fds) in one answer.
+_MAX_MSG, _MAX_ANSWER, _MAX_FDS = 1 << 16, 16 << 20, 250
 #: Handles of same-host reads start here (the wrapped transport's are small integers).
 _HANDLE_BASE = 1 << 48
 #: The fd server's bounds: threads that answer requests; connections accepted and waiting
@@ -261,6 +265,8 @@ class _Mapped:
     pid: int = 0
     #: ``_vm.probe`` ran (and, if it failed, ``pid`` was reset).
     probed: bool = False
+    #: The holder's CUDA blocks opened for this lease (``_cudaipc.Blocks``); None: none.
+    cuda: Any = None
 
     def find(self, addr: int, n: int) -> Optional[tuple[int, int, Any]]:
         for a in self.arenas:
@@ -332,22 +338,28 @@ class _Maps:
 #: or None (refused)``: the holder's question to the coordinator (``_samehost.wrap``), with
 #: the reader's ``lease_proof`` and the holder's own endpoint.
 Authorize = Callable[[str, str, str, str, str], Optional[list[tuple[int, int]]]]
+#: ``tensors(replica_id) -> the replica's tensors``: asked only after ``authorize`` said yes,
+#: for the CUDA ones among them (``_cudaipc.export``).
+Tensors = Callable[[str], Any]
 
 
 class SameHostTransport(Transport):
     """Wraps a transport; copies from same-host holders' arenas (module docstring).
 
     ``token`` is accepted for older callers and unused: nothing on the fd socket carries
-    the coordinator's API token (a reader proves its lease with the lease's secret)."""
+    the coordinator's API token (a reader proves its lease with the lease's secret).
+    ``tensors`` (holder): the tensors of a replica, for CUDA IPC; None: CUDA memory is read
+    over ``inner``."""
 
     def __init__(self, inner: Transport, *, host_label: str, authorize: Authorize, worker_id: str,
-                 token: Optional[str] = None, threads: int = 4) -> None:
+                 token: Optional[str] = None, threads: int = 4, tensors: Optional[Tensors] = None) -> None:
         super().__init__()
         self.inner = inner
         self.max_batch_entries = inner.max_batch_entries
         self.max_entry_bytes = inner.max_entry_bytes
         self._label = host_label
         self._authorize = authorize
+        self._tensors = tensors
         self._worker_id = worker_id
         self._ident = dict(host_identity(), label=host_label)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tensorhub-shm")
@@ -369,6 +381,12 @@ class SameHostTransport(Transport):
         #: Of ``copied_bytes``, those read with ``process_vm_readv`` (memory not in arenas).
         self.vm_bytes = 0
         self._vm_refused: set[str] = set()  # holders whose memory the kernel would not let us read
+        #: Of ``copied_bytes``, those copied from holders' CUDA memory (CUDA IPC); the blocks
+        #: this reader has open (``_cudaipc.Opened``).
+        self.cuda_bytes = 0
+        self.cuda = _cudaipc.Opened()
+        self._cuda_said: set[tuple[str, str]] = set()  # (holder, kind) already logged
+        self._count_lock = threading.Lock()
         #: Tests: seconds each same-host copy waits before it starts (a slow reader).
         self.copy_delay = 0.0
 
@@ -454,6 +472,7 @@ class SameHostTransport(Transport):
         self._pool.shutdown(wait=True)
         with self._mlock:
             self._mapped = {}
+        self.cuda.close()
         self.maps.sweep(everything=True)
         self.inner.close()
 
@@ -572,16 +591,28 @@ class SameHostTransport(Transport):
                     for a in arenas[:_MAX_FDS]:
                         fds.append(os.open(f"/proc/self/fd/{a.fd}", os.O_RDONLY | os.O_CLOEXEC))
                     answer["arenas"] = [[a.base, a.size] for a in arenas[:len(fds)]]
-                    if not fds and regions and envs.TENSORHUB_SAMEHOST_VM:
+                    cuda = self._cuda_blocks(req, regions) if not fds and regions else []
+                    if cuda:  # CUDA memory: IPC handles of its blocks (``_cudaipc``)
+                        _vm.allow_readers()  # (expandable segments: the reader takes their fds by pidfd)
+                        answer["cuda"] = cuda
+                    elif not fds and regions and envs.TENSORHUB_SAMEHOST_VM:
                         _vm.allow_readers()  # memory of the user's: read in place (process_vm_readv)
                         answer["vm"] = True
-            socket.send_fds(conn, [json.dumps(answer).encode()], fds)
+            data = json.dumps(answer).encode()
+            sent = socket.send_fds(conn, [data], fds)
+            if sent < len(data):  # a long answer (many CUDA blocks): the rest follows, then EOF
+                conn.sendall(data[sent:])
         except Exception as e:  # a bad request ends its connection, never the server
             logger.debug("same-host request refused: %s", e)
         finally:
             for fd in fds:
                 os.close(fd)
             conn.close()
+
+    def _cuda_blocks(self, req: dict, regions: list[tuple[int, int]]) -> list[dict]:
+        """The CUDA blocks behind the replica (``_cudaipc.export``), for a reader that can open them."""
+        ok = req.get("cuda") is True and self._tensors is not None and _cudaipc.available()
+        return _cudaipc.export(self._tensors(str(req["replica_id"])) or (), regions) if ok else []
 
     # ------------------------------------------------------------------ reader
     def _arenas(self, src: Any) -> _Mapped:
@@ -616,9 +647,15 @@ class SameHostTransport(Transport):
                                type(self.inner).__name__)
                 return _Mapped([])
             proof = lease_proof(secret, src.lease_id, src.replica_id, src.endpoint)
-            s.sendall(json.dumps({"lease_id": src.lease_id, "replica_id": src.replica_id, "proof": proof,
-                                  "worker_id": self._worker_id, "host": self._ident}).encode())
+            req = {"lease_id": src.lease_id, "replica_id": src.replica_id, "proof": proof,
+                   "worker_id": self._worker_id, "host": self._ident}  # + "cuda": we can open CUDA memory
+            s.sendall(json.dumps(dict(req, cuda=True) if _cudaipc.available() else req).encode())
             data, fds, _, _ = socket.recv_fds(s, _MAX_MSG, _MAX_FDS)
+            while data and len(data) <= _MAX_ANSWER:  # the rest of a long answer, up to EOF
+                more = s.recv(_MAX_MSG)
+                if not more:
+                    break
+                data += more
             ans = json.loads(data.decode())
             if not isinstance(ans, dict):
                 raise ValueError("not an object")
@@ -632,6 +669,13 @@ class SameHostTransport(Transport):
             s.close()
         same = all(ans.get(k) == v for k, v in self._ident.items())
         arenas = ans.get("arenas", [])
+        if same and not fds and not arenas and "cuda" in ans:  # (opened on a copy thread: ``_cudaipc.copy``)
+            blocks, why = self._pool.submit(self.cuda.open, f"{src.endpoint}#{peer}", ans["cuda"], src.lease_id,
+                                            _cudaipc.preferred_device()).result()
+            if blocks is None:
+                self._cuda_fallback(src.endpoint, "open", f"cannot open its CUDA memory ({why})")
+                return _Mapped([])
+            return _Mapped([], cuda=blocks)
         if same and not fds and not arenas and ans.get("vm") is True and envs.TENSORHUB_SAMEHOST_VM:
             return _Mapped([], pid=peer)
         if not same or len(arenas) != len(fds) or not fds:
@@ -715,6 +759,13 @@ class SameHostTransport(Transport):
         arenas when it is on this host and they cover every op, else by ``inner``."""
         self._check_batch(src.endpoint, ops)
         m = self._arenas(src)
+        if m.cuda is not None:
+            cplan = m.cuda.plan(ops)
+            if cplan is not None:
+                h = next(self._ids)
+                self._jobs[h] = self._pool.submit(self._cuda_copy, cplan)
+                return h
+            self._cuda_fallback(src.endpoint, "plan", "a batch outside the CUDA blocks it exported")
         plan = [(op, m.find(op.remote_addr, op.length)) for op in ops] if m.arenas else []
         if plan and all(a is not None for _, a in plan):
             h = next(self._ids)
@@ -740,6 +791,20 @@ class SameHostTransport(Transport):
                                 "reading over %s", src.endpoint, m.pid, why, type(self.inner).__name__)
                 m.pid = 0
         return m.pid != 0
+
+    def _cuda_fallback(self, endpoint: str, kind: str, why: str) -> None:
+        """Say once per holder and kind (open, plan) why its CUDA memory is read over ``inner``."""
+        if (endpoint, kind) not in self._cuda_said:
+            self._cuda_said.add((endpoint, kind))
+            logger.info("same-host read from %s: %s; reading over %s", endpoint, why, type(self.inner).__name__)
+
+    def _cuda_copy(self, plan: Any) -> None:
+        if self.copy_delay:
+            time.sleep(self.copy_delay)
+        n = _cudaipc.copy(plan)
+        with self._count_lock:
+            self.copied_bytes += n
+            self.cuda_bytes += n
 
     def _vm_copy(self, pid: int, ops: Sequence[ReadOp]) -> None:
         import time
