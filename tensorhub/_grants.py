@@ -305,7 +305,7 @@ class Grants:
         so remembered per manifest rather than summed again for every lease)."""
         hit = self._grids.get(key)
         if hit is None or hit[0] is not man:
-            hit = self._grids[key] = (man, grid_chunk_bytes(man.nbytes))
+            hit = self._grids[key] = [man, grid_chunk_bytes(man.nbytes), None]  # [2]: chunks, when asked
             while len(self._grids) > KEPT:
                 self._grids.pop(next(iter(self._grids)))
         return hit[1]

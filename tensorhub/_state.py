@@ -47,9 +47,10 @@ Invariants this module keeps (DESIGN.md, "Protocol and its invariants"):
 13. A worker's removal (expiry, close, a new endpoint) never ends its read leases: each
     stays, counted by ``unpublish``, until released or lapsed on this clock (a reader cut
     off from the coordinator still trusts it up to 0.98 x ``lease_ttl``).
-14. Retention never retires a version that is allocated and not yet complete while it is
-    the newest allocated one (a publish in progress), nor one a retried allocation's
-    request id still answers with.
+14. Retention never retires a version that is allocated and not yet complete (a publish in
+    progress) until it is abandoned: nothing names it and ``abandon_after`` passed since its
+    allocation (or this incarnation's start). A retried allocation whose request id names a
+    retired number is refused (``version_retired``), never answered with it.
 
 Observability (no decision depends on it): readers report their fetches
 (``record_fetch``: live progress while running, bytes per source at the end) and engines
@@ -164,8 +165,9 @@ class CoordinatorState(Grants):
         self._ids = itertools.count(1)
         #: (model, version, layout, shard) -> digest of its manifest (registration by digest).
         self._digests: dict[tuple, str] = {}
-        #: (model, version, layout, shard) -> (its manifest, chunk bytes of its grid).
-        self._grids: dict[tuple, tuple[Manifest, int]] = {}
+        #: (model, version, layout, shard) -> [its manifest, chunk bytes of its grid, chunks of
+        #: its grid (None until a partial replica's registration asks)].
+        self._grids: dict[tuple, list] = {}
         #: shard key -> leases granted on it so far (``Grants._arrival``).
         self._arrivals: dict[ShardKey, int] = {}
         #: Striped plans (``_stripes``): (shard key, datacenter or ``WAN``, root) -> plan, and
@@ -175,8 +177,6 @@ class CoordinatorState(Grants):
         #: (model, version) -> when this incarnation allocated it, while it is not complete
         #: (retention's ``abandon_after``; soft: a restored version counts from the boot).
         self.allocated_at: dict[tuple[str, int], float] = {}
-        #: (model, version, layout, shard) -> (its manifest, chunks of its grid).
-        self._grid_counts: dict[tuple, tuple[Manifest, int]] = {}
 
     # Read-only views (the tables live in the catalog and the registry).
     @property
@@ -449,20 +449,20 @@ class CoordinatorState(Grants):
             raise ConflictError(f"partial replica of {where}, which has no complete replica yet", "unknown_layout")
         key = ShardKey(req.model, req.version, req.layout, req.shard)
         grid = self._chunk_bytes(key, known)
-        if req.chunk_bytes != grid or req.num_chunks != self._grid_chunks(key, known):
+        chunks = self._grid_chunks(key, known)
+        if req.chunk_bytes != grid or req.num_chunks != chunks:
             raise ConflictError(
                 f"partial replica of {where}: chunk grid {req.chunk_bytes} bytes x {req.num_chunks} "
-                f"!= the shard's {grid} bytes x {self._grid_chunks(key, known)}", "bad_chunk_grid")
+                f"!= the shard's {grid} bytes x {chunks}", "bad_chunk_grid")
 
     def _grid_chunks(self, key: ShardKey, known: Manifest) -> int:
         """How many chunks the shard's grid has (``_checksum.count``: pieces per chunk are
-        capped too, so not simply size / chunk bytes), remembered per manifest."""
-        hit = self._grid_counts.get(key)
-        if hit is None or hit[0] is not known:
-            hit = self._grid_counts[key] = (known, count([t.nbytes for t in known.tensors]))
-            while len(self._grid_counts) > KEPT:
-                self._grid_counts.pop(next(iter(self._grid_counts)))
-        return hit[1]
+        capped too, so not simply size / chunk bytes), kept beside its chunk bytes."""
+        self._chunk_bytes(key, known)
+        hit = self._grids[key]
+        if hit[2] is None:
+            hit[2] = count([t.nbytes for t in known.tensors])
+        return hit[2]
 
     def add_chunks(self, now: float, replica_id: str, worker_id: str, chunks: Iterable[int],
                    lease_ids: Iterable[str] = (), coming: Optional[Iterable[int]] = None) -> int:
