@@ -19,7 +19,12 @@ same run and interleaved round by round:
   Hub-allocated memory (``hub.empty_like``): copied through its memfd, no Mooncake; new
   memory is a pooled arena the previous round freed (no page faults),
 * ``samehost-cold`` -- into new memory never touched before (the pool emptied first),
-* ``memcpy-new`` -- ``torch.empty_like(src).copy_(src)`` (memcpy with page faults).
+* ``memcpy-new`` -- ``torch.empty_like(src).copy_(src)`` (memcpy with page faults),
+* ``vm-raw`` -- ``process_vm_readv`` alone from the publisher's tensors, two threads, 16 MiB
+  a call, no lease and no checksum: the mechanism's ceiling on this machine,
+* ``user-thp`` / ``user-thp-new`` / ``vm-raw-thp`` -- the same user tensors in a publisher
+  started with torch's ``THP_MEM_ALLOC_ENABLE=1`` (its large CPU allocations on transparent
+  huge pages): the kernel pins a huge page at a time instead of 512 small ones.
 
 Prints GB/s (median of the rounds) and the ratios, writes JSON.
 
@@ -147,6 +152,51 @@ def publisher(url: str, nbytes: int, conn) -> None:  # pragma: no cover - child 
     hub.close()
 
 
+def publisher_thp(url: str, nbytes: int, conn) -> None:  # pragma: no cover - child process
+    """The same user tensors, in a process started with torch's ``THP_MEM_ALLOC_ENABLE=1``
+    (its CPU allocations of >= 2 MiB 2 MiB-aligned and ``madvise(MADV_HUGEPAGE)``): what a
+    trainer gets by that one variable. Says how much of its memory is on huge pages."""
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    import torch
+
+    import tensorhub
+
+    weights = _weights(torch, nbytes)
+    hub = tensorhub.connect(url, worker_id="bench-publisher-thp")
+    v = hub.publish("bench-thp", weights)
+    huge = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                huge = int(line.split()[1]) * 1024
+    conn.send((v, huge, [t.data_ptr() for t in weights.values()], [t.nbytes for t in weights.values()]))
+    conn.recv()
+    hub.close()
+
+
+def raw_vm(pid: int, addrs: list[int], sizes: list[int], base: int, threads: int = 2, seg: int = 16 << 20) -> float:
+    """The mechanism alone: ``process_vm_readv`` of the holder's tensors into local memory
+    from ``base`` on, ``seg`` bytes a call, ``threads`` threads (no lease, no checksum):
+    the ceiling of a same-host read of memory the Hub did not allocate."""
+    import threading
+
+    from tensorhub.transport import _vm
+    from tensorhub.transport._base import ReadOp
+
+    ops, off = [], 0
+    for a, n in zip(addrs, sizes):
+        ops += [ReadOp(base + off + o, a + o, min(seg, n - o)) for o in range(0, n, seg)]
+        off += n
+    parts = [ops[i::threads] for i in range(threads)]
+    t0 = time.perf_counter()
+    th = [threading.Thread(target=_vm.read_into, args=(pid, p)) for p in parts]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def loopback(args: argparse.Namespace) -> int:
     import torch
 
@@ -160,6 +210,14 @@ def loopback(args: argparse.Namespace) -> int:
         proc = ctx.Process(target=publisher, args=(coord.url, nbytes, child), daemon=True)
         proc.start()
         version, version_shm, endpoint, addrs, sizes = parent.recv()
+        parent_thp, child_thp = ctx.Pipe()
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # the THP publisher's environment only
+        try:
+            proc_thp = ctx.Process(target=publisher_thp, args=(coord.url, nbytes, child_thp), daemon=True)
+            proc_thp.start()
+        finally:
+            del os.environ["THP_MEM_ALLOC_ENABLE"]
+        version_thp, thp_huge, thp_addrs, thp_sizes = parent_thp.recv()
 
         # Over Mooncake's loopback: a reader without the same-host path (its transport made now).
         os.environ["TENSORHUB_SAMEHOST"] = "0"
@@ -233,6 +291,24 @@ def loopback(args: argparse.Namespace) -> int:
             del out
             return dt
 
+        def t_user_thp() -> float:  # the same, the publisher's tensors on huge pages
+            t0 = time.perf_counter()
+            hub.fetch("bench-thp", version_thp, into=dst, serve=False)
+            return time.perf_counter() - t0
+
+        def t_user_thp_new() -> float:
+            t0 = time.perf_counter()
+            out = hub.fetch("bench-thp", version_thp, serve=False)
+            dt = time.perf_counter() - t0
+            del out
+            return dt
+
+        def t_vm_raw() -> float:
+            return raw_vm(proc.pid, addrs, sizes, flat_dst.data_ptr())
+
+        def t_vm_raw_thp() -> float:
+            return raw_vm(proc_thp.pid, thp_addrs, thp_sizes, flat_dst.data_ptr())
+
         def t_memcpy_new() -> float:
             t0 = time.perf_counter()
             out = torch.empty_like(flat_src).copy_(flat_src)
@@ -261,7 +337,8 @@ def loopback(args: argparse.Namespace) -> int:
         cases = {"memcpy": t_memcpy, "memcpy-new": t_memcpy_new, "mooncake": t_mooncake,
                  "mooncake-sync": t_mooncake_sync, "tensorhub": t_fetch, "tensorhub-new": t_fetch_new,
                  "samehost": t_same, "samehost-new": t_same_new, "samehost-cold": t_same_cold,
-                 "user": t_user, "user-new": t_user_new}
+                 "user": t_user, "user-new": t_user_new, "vm-raw": t_vm_raw,
+                 "user-thp": t_user_thp, "user-thp-new": t_user_thp_new, "vm-raw-thp": t_vm_raw_thp}
         for fn in cases.values():  # warm up connections and page tables
             fn()
         times: dict[str, list[float]] = {k: [] for k in cases}
@@ -283,7 +360,9 @@ def loopback(args: argparse.Namespace) -> int:
             assert torch.equal(t.view(torch.int32), want.view(torch.int32)), f"tensor {i} differs"
         assert torch.equal(raw_dst.view(torch.int32)[: sizes[0] // 4], torch.arange(sizes[0] // 4, dtype=torch.int32))
         parent.send("done")
+        parent_thp.send("done")
         proc.join(30)
+        proc_thp.join(30)
         hub.close()
         hub_mc.close()
 
@@ -302,6 +381,11 @@ def loopback(args: argparse.Namespace) -> int:
         "ratio_user_vs_memcpy": gbps["user"] / gbps["memcpy"],
         "ratio_user_new_vs_memcpy": gbps["user-new"] / gbps["memcpy"],
         "ratio_user_vs_mooncake_fetch": gbps["user"] / gbps["tensorhub"],
+        "ratio_user_vs_vm_raw": gbps["user"] / gbps["vm-raw"],
+        "ratio_vm_raw_vs_memcpy": gbps["vm-raw"] / gbps["memcpy"],
+        "ratio_user_thp_vs_memcpy": gbps["user-thp"] / gbps["memcpy"],
+        "ratio_user_thp_new_vs_memcpy": gbps["user-thp-new"] / gbps["memcpy"],
+        "thp_publisher_huge_bytes": thp_huge,
     }
     print(f"version size: {nbytes / (1 << 30):.2f} GiB, {args.rounds} rounds, medians")
     print(f"{'path':<15}{'GB/s':>8}{'vs raw mooncake':>18}{'vs memcpy':>12}")
@@ -311,9 +395,17 @@ def loopback(args: argparse.Namespace) -> int:
               ("same-host fetch into preallocated / memcpy", result["ratio_samehost_vs_memcpy"], 0.6),
               ("same-host fetch into new memory / memcpy", result["ratio_samehost_new_vs_memcpy"], 0.6),
               ("same-host fetch of user tensors into preallocated / memcpy", result["ratio_user_vs_memcpy"], 0.6),
-              ("same-host fetch of user tensors into new memory / memcpy", result["ratio_user_new_vs_memcpy"], 0.6)]
+              ("same-host fetch of user tensors into new memory / memcpy", result["ratio_user_new_vs_memcpy"], 0.6),
+              ("same-host fetch of user tensors on huge pages (THP_MEM_ALLOC_ENABLE=1) into preallocated / memcpy",
+               result["ratio_user_thp_vs_memcpy"], 0.6),
+              ("same-host fetch of user tensors on huge pages into new memory / memcpy",
+               result["ratio_user_thp_new_vs_memcpy"], 0.6)]
     for what, r, want in checks:
         print(f"{what} = {r:.2f}x (target >= {want:.2f}x): {'PASS' if r >= want else 'MISS'}")
+    print(f"user tensors / raw process_vm_readv (2 threads, no lease, no checksum) = "
+          f"{result['ratio_user_vs_vm_raw']:.2f}x; raw process_vm_readv / memcpy = {result['ratio_vm_raw_vs_memcpy']:.2f}x "
+          f"(the kernel pins the holder's pages one by one: on 4 KiB pages that is the mechanism's ceiling); "
+          f"THP publisher: {thp_huge / (1 << 30):.2f} GiB on huge pages")
     print("(samehost-new reuses freed Hub memory, pages already faulted in; samehost-cold is new memory "
           "never touched, every page faulting: the machine's page-fault cost, compare memcpy-new)")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -230,13 +230,25 @@ class Verifier:
         self.nbytes = 0
         self.seconds = 0.0
 
-    def check(self, c: int) -> Optional[str]:
-        """None if chunk ``c`` (in local memory) matches or cannot be verified, else why not."""
+    @property
+    def in_place(self) -> bool:
+        """Whether every destination is in CPU memory (hashable where it lies, no staging)."""
+        return not any(self.data.staged)
+
+    def hasher(self) -> Any:
+        """A new streaming hasher of this manifest's algorithm (a transport that copies a
+        chunk itself hashes it as it lands: ``SameHostTransport.submit_from``)."""
+        return ALGORITHMS[self.algo]()
+
+    def check(self, c: int, digest: Optional[int] = None) -> Optional[str]:
+        """None if chunk ``c`` (in local memory) matches or cannot be verified, else why not.
+        ``digest``: the chunk's hash already computed from its landed bytes (by the copy
+        that landed them, in chunk order); None: hashed here."""
         want = self.expected[c]
         if want is None:
             return None
         t0 = time.perf_counter()
-        got = _hash_chunk(self.algo, self.chunks[c], self.data)
+        got = _hash_chunk(self.algo, self.chunks[c], self.data) if digest is None else digest
         self.seconds += time.perf_counter() - t0
         self.nbytes += sum(p[2] for p in self.chunks[c])
         if got == want:

@@ -75,6 +75,8 @@ class _Inflight:
     submitted: float
     deadline: float
     abandoned: bool = False
+    #: The hash of the landed bytes the transport computed while copying (None: not computed).
+    digest: Optional[int] = None
 
 
 class ShardReader:
@@ -183,10 +185,15 @@ class ShardReader:
         stats.seconds = time.monotonic() - t0
         return stats
 
-    def _submit(self, src: Source, ops: list[ReadOp]) -> int:
-        """Submit one batch from ``src``; a same-host transport (``transport/_shm``) is told
-        the source (its lease and replica), which it needs to copy from the holder's memory."""
+    def _submit(self, src: Source, ops: list[ReadOp], c: int) -> int:
+        """Submit chunk ``c``'s batch from ``src``; a same-host transport (``transport/_shm``)
+        is told the source (its lease and replica), which it needs to copy from the holder's
+        memory, and, when the chunk has a checksum to check in place, how to hash what it
+        lands (it then hashes each piece right after copying it, on its own threads)."""
         if hasattr(self.t, "submit_from"):
+            v = self.checksums
+            if v is not None and v.expected[c] is not None and v.in_place:
+                return self.t.submit_from(src, ops, hasher=v.hasher)
             return self.t.submit_from(src, ops)
         return self.t.submit_read(src.endpoint, ops)
 
@@ -220,6 +227,8 @@ class ShardReader:
                     return _CANCELLED
             return PENDING
         del inflight[h]
+        if st == DONE and hasattr(self.t, "digest"):
+            f.digest = self.t.digest(h)
         return st
 
     def _accept(self, f: "_Inflight", fail: Callable[[Source, str], None]) -> bool:
@@ -228,7 +237,7 @@ class ShardReader:
         reads the chunk again."""
         if self.checksums is None:
             return True
-        why = self.checksums.check(f.chunk)
+        why = self.checksums.check(f.chunk, f.digest)
         if why is None:
             return True
         self.mismatched.setdefault(f.source.replica_id, why)
@@ -270,7 +279,7 @@ class ShardReader:
                         continue
                     need.remove(c)
                     try:
-                        h = self._submit(src, self._ops(c, src))
+                        h = self._submit(src, self._ops(c, src), c)
                     except TransferError as e:
                         need.appendleft(c)
                         fail(src, str(e))

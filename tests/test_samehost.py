@@ -59,6 +59,8 @@ def test_same_host_read_copies_exact_bytes_without_mooncake(coordinator, workers
     assert got["digest"] == expected(3, 64 * MiB)
     stats = reader.call("transport_stats")
     assert stats["copied_bytes"] == got["nbytes"] and stats["inner_batches"] == 0, stats
+    # every chunk's checksum was computed by the copy that landed it (no second pass)
+    assert stats["hashed_bytes"] == got["nbytes"], stats
     # The reader's fetched copy is Hub memory too: a third process copies it from there.
     pub2 = workers(url, "late", own_transport=True)
     got2 = pub2.call("fetch", version=v, serve=False)

@@ -38,6 +38,7 @@ def test_user_tensors_into_new_and_preallocated_memory(coordinator, workers):
     assert got["digest"] == expected(31, 32 * MiB)
     s = reader.call("transport_stats")
     assert s["vm_bytes"] == got["nbytes"] and s["inner_batches"] == 0, s
+    assert s["hashed_bytes"] == got["nbytes"], s  # checksummed as it landed, by the copy
     got2 = reader.call("fetch", version=v, serve=False, into={"name": "buf", "nbytes": 32 * MiB})
     assert got2["digest"] == expected(31, 32 * MiB)
     s2 = reader.call("transport_stats")
@@ -121,3 +122,38 @@ def test_probe_says_why_and_read_into_copies():
     assert _vm.probe(os.getpid(), 8) is not None  # unmapped: EFAULT, said
     with pytest.raises(OSError):
         _vm.read_into(2 ** 22 + 12345, ops[:1])  # no such process
+
+
+def test_a_fused_copy_hashes_the_landed_bytes_in_chunk_order():
+    """``_fused`` (copy a segment, hash it while in cache): across op and segment boundaries
+    its digest is the hash of the chunk's bytes in op order; the verifier takes it as the
+    chunk's hash, and a copy that landed other bytes than the manifest's fails the check."""
+    from tensorhub import _checksum
+    from tensorhub.transport import _shm
+    from tensorhub.transport._base import ReadOp
+
+    seg = _shm._SEGMENT
+    src = (ctypes.c_char * (3 * seg + 777)).from_buffer(bytearray(os.urandom(3 * seg + 777)))
+    dst = (ctypes.c_char * len(src))()
+    # two ops, out of address order, the first crossing segment boundaries mid-segment
+    cut = seg + 12345
+    ops = [ReadOp(ctypes.addressof(dst) + cut, ctypes.addressof(src) + cut, len(src) - cut),
+           ReadOp(ctypes.addressof(dst), ctypes.addressof(src), cut)]
+    counted = []
+
+    def move(l: int, r: int, n: int) -> int:
+        ctypes.memmove(l, r, n)
+        return n
+
+    got = _shm._fused(ops, _checksum.ALGORITHMS["xxh3_64"], move, counted.append)
+    assert bytes(dst) == bytes(src) and sum(counted) == len(src)
+    want = _checksum.hash_bytes("xxh3_64", bytes(src)[cut:] + bytes(src)[:cut])
+    assert got == want
+    # through the process_vm_readv mover too (our own pid)
+    dst2 = (ctypes.c_char * len(src))()
+    ops2 = [ReadOp(ctypes.addressof(dst2) + (o.local_addr - ctypes.addressof(dst)), o.remote_addr, o.length)
+            for o in ops]
+    from tensorhub.transport import _vm
+    assert _shm._fused(ops2, _checksum.ALGORITHMS["xxh3_64"],
+                       lambda l, r, n: _vm.read_into(os.getpid(), [ReadOp(l, r, n)]), lambda n: None) == want
+    assert bytes(dst2) == bytes(src)

@@ -380,7 +380,8 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                 t = hub._session._transport
                 conn.send(("ok", {"copied_bytes": getattr(t, "copied_bytes", 0),
                                   "inner_batches": getattr(t, "inner_batches", None),
-                                  "vm_bytes": getattr(t, "vm_bytes", 0)}))
+                                  "vm_bytes": getattr(t, "vm_bytes", 0),
+                                  "hashed_bytes": getattr(t, "hashed_bytes", 0)}))
             elif cmd == "latest":
                 conn.send(("ok", hub.latest(MODEL)))
             elif cmd == "held":

@@ -59,6 +59,7 @@ Lifecycle: the Session creates the wrapper with the inner transport (holder and 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import json
@@ -100,6 +101,27 @@ _HANDLERS = 4
 _MAX_PENDING = 64
 _MAX_READY = 16
 _RECV_TIMEOUT = 2.0
+
+
+#: Bytes a fused copy-and-hash moves before hashing them (``_fused``): small enough that
+#: the hash reads them from cache, large enough that the calls cost little.
+_SEGMENT = 1 << 20
+
+
+def _fused(ops: Sequence[ReadOp], hasher: Callable[[], Any], move: Callable[[int, int, int], int],
+           count: Callable[[int], None]) -> int:
+    """Copy ``ops`` with ``move(local, remote, n)`` (bytes copied) a segment at a time,
+    hashing each landed segment right after it (in op order: the stream the reader's
+    checksum of the chunk hashes); returns the digest."""
+    h = hasher()
+    for op in ops:
+        dst = memoryview((ctypes.c_char * op.length).from_address(op.local_addr)).cast("B")
+        for o in range(0, op.length, _SEGMENT):
+            n = min(_SEGMENT, op.length - o)
+            move(op.local_addr + o, op.remote_addr + o, n)
+            h.update(dst[o:o + n])
+            count(n)
+    return h.intdigest()
 
 
 # ---------------------------------------------------------------------- arenas
@@ -364,6 +386,7 @@ class SameHostTransport(Transport):
         self._ident = dict(host_identity(), label=host_label)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tensorhub-shm")
         self._jobs: dict[int, Future] = {}
+        self._digests: dict[int, int] = {}  # handle -> hash of the bytes its copy landed (digest())
         self._ids = itertools.count(_HANDLE_BASE)
         self._mapped: dict[tuple[str, str], _Mapped] = {}  # (lease, replica) -> arenas
         self.maps = _Maps()
@@ -385,6 +408,9 @@ class SameHostTransport(Transport):
         #: this reader has open (``_cudaipc.Opened``).
         self.cuda_bytes = 0
         self.cuda = _cudaipc.Opened()
+        #: Of ``copied_bytes``, those hashed by the copy that landed them (``submit_from``'s
+        #: ``hasher``): the reader's checksums of them cost it no pass of its own.
+        self.hashed_bytes = 0
         self._cuda_said: set[tuple[str, str]] = set()  # (holder, kind) already logged
         self._count_lock = threading.Lock()
         #: Tests: seconds each same-host copy waits before it starts (a slow reader).
@@ -754,9 +780,15 @@ class SameHostTransport(Transport):
             m = self._mapped.get((src.lease_id, src.replica_id))
         return [] if m is None else [(v.data_ptr(), v.numel()) for _, _, v in m.arenas]
 
-    def submit_from(self, src: Any, ops: Sequence[ReadOp]) -> int:
+    def submit_from(self, src: Any, ops: Sequence[ReadOp], hasher: Optional[Callable[[], Any]] = None) -> int:
         """Read ``ops`` from source ``src`` (a ``_reader.Source``): copied from the holder's
-        arenas when it is on this host and they cover every op, else by ``inner``."""
+        arenas when it is on this host and they cover every op, else by ``inner``.
+
+        ``hasher`` (a new streaming hasher, ``_checksum.ALGORITHMS``): a copy made here also
+        hashes the bytes it landed, in op order, a segment at a time right after copying it
+        (still in cache: the reader's checksum then costs no second pass over memory and no
+        time on its loop's thread); :meth:`digest` gives the result. Reads over ``inner``
+        ignore it (the reader hashes them itself)."""
         self._check_batch(src.endpoint, ops)
         m = self._arenas(src)
         if m.cuda is not None:
@@ -769,14 +801,19 @@ class SameHostTransport(Transport):
         plan = [(op, m.find(op.remote_addr, op.length)) for op in ops] if m.arenas else []
         if plan and all(a is not None for _, a in plan):
             h = next(self._ids)
-            self._jobs[h] = self._pool.submit(self._copy, plan)
+            self._jobs[h] = self._pool.submit(self._copy, plan, hasher)
             return h
         if m.pid and ops and self._vm_ok(m, src, ops[0]):
             h = next(self._ids)
-            self._jobs[h] = self._pool.submit(self._vm_copy, m.pid, ops)
+            self._jobs[h] = self._pool.submit(self._vm_copy, m.pid, ops, hasher)
             return h
         self.inner_batches += 1
         return self.inner.submit_read(src.endpoint, ops)
+
+    def digest(self, handle: int) -> Optional[int]:
+        """The hash a finished copy computed of the bytes it landed (``submit_from``'s
+        ``hasher``), once; None when it computed none (or the batch went over ``inner``)."""
+        return self._digests.pop(handle, None)
 
     def _vm_ok(self, m: _Mapped, src: Any, op: ReadOp) -> bool:
         """Whether the kernel lets us read the holder's memory (``_vm.probe``, once per
@@ -806,28 +843,39 @@ class SameHostTransport(Transport):
             self.copied_bytes += n
             self.cuda_bytes += n
 
-    def _vm_copy(self, pid: int, ops: Sequence[ReadOp]) -> None:
-        import time
+    def _count(self, n: int, vm: bool = False, hashed: bool = False) -> None:
+        with self._count_lock:
+            self.copied_bytes += n
+            if vm:
+                self.vm_bytes += n
+            if hashed:
+                self.hashed_bytes += n
 
+    def _vm_copy(self, pid: int, ops: Sequence[ReadOp], hasher: Optional[Callable[[], Any]] = None) -> Optional[int]:
         if self.copy_delay:
             time.sleep(self.copy_delay)
-        n = _vm.read_into(pid, ops)
-        self.copied_bytes += n
-        self.vm_bytes += n
+        if hasher is None:
+            self._count(_vm.read_into(pid, ops), vm=True)
+            return None
+        return _fused(ops, hasher, lambda l, r, n: _vm.read_into(pid, [ReadOp(l, r, n)]),
+                      lambda n: self._count(n, vm=True, hashed=True))
 
-    def _copy(self, plan: list) -> None:
-        import ctypes
-        import time
-
-        import torch
-
+    def _copy(self, plan: list, hasher: Optional[Callable[[], Any]] = None) -> Optional[int]:
         if self.copy_delay:
             time.sleep(self.copy_delay)
-        for op, (base, _, view) in plan:
-            dst = torch.frombuffer((ctypes.c_char * op.length).from_address(op.local_addr), dtype=torch.uint8)
-            off = op.remote_addr - base
-            dst.copy_(view[off:off + op.length])
-            self.copied_bytes += op.length
+        ops = []
+        for op, (base, _, view) in plan:  # the holder's address -> ours (our mapping of its arena)
+            ops.append(ReadOp(op.local_addr, view.data_ptr() + (op.remote_addr - base), op.length))
+        if hasher is None:
+            for op in ops:
+                ctypes.memmove(op.local_addr, op.remote_addr, op.length)  # releases the GIL (ctypes)
+                self._count(op.length)
+            return None
+
+        def move(l: int, r: int, n: int) -> int:
+            ctypes.memmove(l, r, n)
+            return n
+        return _fused(ops, hasher, move, lambda n: self._count(n, hashed=True))
 
     def submit_read(self, peer: str, ops: Sequence[ReadOp]) -> int:
         self.inner_batches += 1
@@ -844,6 +892,9 @@ class SameHostTransport(Transport):
         if e is not None:
             logger.warning("same-host copy failed: %s", e)
             return -5
+        d = job.result()
+        if d is not None:
+            self._digests[handle] = d
         return DONE
 
     def cancel(self, handle: int) -> bool:
