@@ -11,7 +11,14 @@ loader registry, so the plug-in adds the load format ``tensorhub`` in three plac
 * ``get_model_loader``: an AROUND hook returns
   :class:`~integrations.sglang.loader` 's loader for it (every other format goes to SGLang);
 * ``WeightUpdater.update_weights_from_tensor``: an AROUND hook makes a failed pull
-  (:mod:`.pull`) answer ``success: false`` with its message instead of an exception.
+  (:mod:`.pull`) answer ``success: false`` with its message instead of an exception;
+* the scheduler's ``update_weights_from_tensor``: an AROUND hook refuses our pull with
+  ``"flush_cache": false`` before anything changes (one-line ``success: false``). SGLang
+  itself flushes the radix (prefix/KV) cache after a successful update when
+  ``flush_cache`` is true (its default), and records the update's ``weight_version`` so
+  every completion carries it (``meta_info.weight_version``, per-token
+  ``weight_versions``); ``tensorhub follow`` passes both. With ``false`` the cache would
+  keep KV computed with the old weights.
 
 Then ``python -m sglang.launch_server --model-path DIR --load-format tensorhub
 --model-loader-extra-config '{"coordinator": URL, "model": NAME, "version": "latest"|N,
@@ -43,7 +50,8 @@ def register() -> None:
     if LOAD_FORMAT not in LOAD_FORMAT_CHOICES:
         add_load_format_choices([LOAD_FORMAT])
     for target, hook in ((_VERIFY, _verify_load_format), (_GET_LOADER, _get_model_loader),
-                         (_UPDATE, _update_weights_from_tensor)):
+                         (_UPDATE, _update_weights_from_tensor),
+                         (_SCHED_UPDATE, _scheduler_update_weights_from_tensor)):
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):
             HookRegistry.register(target, hook, HookType.AROUND)
 
@@ -51,6 +59,8 @@ def register() -> None:
 _VERIFY = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
 _GET_LOADER = "sglang.srt.model_loader.loader.get_model_loader"
 _UPDATE = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_tensor"
+_SCHED_UPDATE = ("sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+                 ".update_weights_from_tensor")
 
 
 def _verify_load_format(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -90,3 +100,23 @@ def _update_weights_from_tensor(original: Any, self: Any, *args: Any, **kwargs: 
 
         logging.getLogger(__name__).error("%s", e)
         return False, str(e)
+
+
+def _scheduler_update_weights_from_tensor(original: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Runs in each scheduler (TP rank) process. A swap through our pull function always
+    flushes SGLang's radix cache: ``flush_cache: false`` would let requests after the swap
+    reuse KV blocks computed with the old weights, so it is refused on every rank before
+    any weight changes (the old weights keep serving). Every other update goes to SGLang."""
+    from .pull import LOAD_FORMAT as PULL
+
+    if getattr(recv_req, "load_format", None) == PULL and getattr(recv_req, "flush_cache", True) is False:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqOutput
+
+        return UpdateWeightsFromTensorReqOutput(success=False, message=_FLUSH_REFUSED)
+    return original(self, recv_req, *args, **kwargs)
+
+
+#: The answer to a tensorhub swap asked with ``"flush_cache": false``.
+_FLUSH_REFUSED = ("tensorhub: \"flush_cache\": false refused: the prefix/KV cache must be flushed at a swap "
+                 "(its entries were computed with the old weights); leave flush_cache out or true; "
+                 "no weight was changed")

@@ -15,6 +15,12 @@ process it starts (API server, engine core, each worker). It registers:
   speak vLLM's trainer API: :mod:`integrations.vllm.trainer`, which also registers it when
   imported, so a trainer process that loads no vLLM plug-ins gets it too).
 
+On engines that use either, it also hooks vLLM's engine core (:mod:`._engine_core`: the
+prefix/KV cache is reset and the weight-version label set at every swap) and stamps the
+OpenAI server's completions with the weight version that produced them
+(:mod:`.stamps`: header ``X-TensorHub-Weight-Version``, ``system_fingerprint``,
+per-choice ``weight_versions``).
+
 Importing this package imports no vLLM; :func:`register` does.
 """
 
@@ -25,7 +31,8 @@ __all__ = ["register"]
 
 def register() -> None:
     """Register the loader and the weight-transfer backends (worker and trainer side) with
-    vLLM. Idempotent."""
+    vLLM, hook the engine core (cache reset, version label at swaps) and, in the OpenAI
+    server's process, the version stamps. Idempotent."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
@@ -41,6 +48,10 @@ def register() -> None:
     if "tensorhub" not in WeightTransferTrainerFactory._registry:  # lazy: imported by a trainer only
         WeightTransferTrainerFactory.register_engine(
             "tensorhub", "integrations.vllm.trainer", "TensorHubTrainerWeightTransferEngine")
+    from . import _engine_core, stamps
+
+    _engine_core.install()  # acts only on engines with TensorHub's loader or backend
+    stamps.install_server_hook()  # only where the OpenAI server's launcher is loaded
 
 
 def _share_vllm_logging() -> None:

@@ -100,13 +100,13 @@ def test_follow_learns_the_engines_workers_and_waits_for_its_prefetch(tmp_path):
                                    "--model", "policy", "--coordinator", coord.url, "--max-swaps", "1"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env())
         first = follow.stdout.readline()
-        assert "engine at vNone" in first, first + follow.stderr.read()  # vLLM reports none before a swap
+        # the plug-in labels vLLM's weight version with the version it loaded (integrations.vllm._engine_core)
+        assert f"engine at v{v1}" in first, first + follow.stderr.read()
         w2 = make_weights(1)
         v2 = trainer.publish("policy", w2)
         out, err = follow.communicate(timeout=180)
         assert follow.returncode == 0, err
         assert "engine worker(s) engine-f prefetch policy" in err, err
-        assert f"the engine's TensorHub workers run policy v{v1}" in err, err  # so it does not swap to v1
         assert f"v{v2}: stall " in out and "the engine had prefetched it (waited" in out, out + err
         line = next(l for l in srv.log_tail(400_000).splitlines() if f"-> v{v2}:" in l)
         assert "prefetched before the swap" in line, line

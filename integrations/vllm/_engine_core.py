@@ -1,0 +1,115 @@
+"""What the plug-in adds to vLLM's engine core: cache reset and the version label at a swap.
+
+Runs in vLLM's engine-core process (the process that schedules; offline ``LLM`` and the
+OpenAI server alike), installed by :func:`integrations.vllm.register` (which vLLM calls at
+the top of ``EngineCore.__init__``). It acts only on engines configured with
+``--weight-transfer-config '{"backend": "tensorhub"}'`` or ``--load-format tensorhub``.
+
+**Caches at a swap.** vLLM keys its prefix cache by token ids, not by weights: without a
+reset, a prompt seen before a swap would reuse KV blocks computed with the old weights.
+vLLM resets its caches when generation is paused (``/pause``, ``clear_cache`` true by
+default), but not on the weight-update calls themselves: an offline ``LLM`` (which has no
+pause), vLLM's trainer-side clients (``HTTPVLLMWeightSyncClient`` and the Ray client call
+``start/update/finish_weight_update`` without pausing) and ``/pause?clear_cache=false``
+all keep the old blocks. So right after every successful ``update_weights`` of the
+tensorhub backend, inside the same engine-core call (no step runs in between), the engine
+core runs vLLM's own ``_reset_caches``: the prefix cache (running requests are preempted
+and recompute their KV with the new weights, as vLLM's pause does), the multi-modal and
+encoder caches, and a KV connector's.
+
+**The version label.** vLLM labels every output token with the engine core's weight
+version (``CompletionOutput.weight_versions``, ``/weight_info``); it is ``"default"`` until
+someone calls ``finish_weight_update(weight_version=...)``. Here the label becomes the
+TensorHub version the workers hold: once the engine is up (``--load-format tensorhub``
+loaded ``vN``) and in the same engine-core call as each successful ``update_weights``, so
+the tokens of the first step on the new weights already carry the new version, even when
+the caller does not pause. ``finish_weight_update(weight_version=X)`` still sets vLLM's
+label to ``X`` afterwards (``tensorhub follow`` and the trainer engine pass the TensorHub
+number, so it stays the same).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["install", "worker_version", "uses_tensorhub"]
+
+
+def worker_version(worker: Any = None) -> Optional[int]:
+    """The TensorHub version this worker's parameters hold (None: no TensorHub state, e.g.
+    weights from vLLM's own loader and no swap yet). Called on every worker through
+    ``collective_rpc`` (vLLM passes the worker)."""
+    from .._core import worker as core
+
+    st = core.get_state()
+    return None if st is None else st.version
+
+
+def uses_tensorhub(vllm_config: Any) -> bool:
+    """The engine runs TensorHub's weight-transfer backend or its loader."""
+    wt = getattr(vllm_config, "weight_transfer_config", None)
+    load = getattr(vllm_config, "load_config", None)
+    return getattr(wt, "backend", None) == "tensorhub" or getattr(load, "load_format", None) == "tensorhub"
+
+
+def _label(core: Any, when: str) -> None:
+    """Set vLLM's weight-version label to the version the workers hold (PP stage 0's TP rank
+    0 answers first; every rank holds the same version)."""
+    try:
+        versions = core.model_executor.collective_rpc(worker_version)
+    except Exception as e:  # the label is a convenience; never break the engine for it
+        logger.warning("tensorhub: could not read the workers' version %s: %s", when, e)
+        return
+    v = versions[0] if isinstance(versions, list) and versions else versions
+    if isinstance(v, int):
+        core.set_weight_version(str(v))
+
+
+def _reset(core: Any) -> None:
+    reset = getattr(core, "_reset_caches", None)
+    if reset is not None:  # vLLM's own: exactly what /pause(clear_cache=True) runs
+        reset(reset_running_requests=True, reset_connector=True)
+    elif not core.reset_prefix_cache(reset_running_requests=True):
+        raise RuntimeError("tensorhub: vLLM could not reset its prefix cache after the swap")
+
+
+def install() -> bool:
+    """Wrap ``EngineCore.collective_rpc`` (after ``update_weights``: reset the caches, set
+    the label) and ``EngineCore._initialize_kv_caches`` (the engine is up: set the label).
+    Idempotent; False (and one warning) when this vLLM lacks the names."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except Exception as e:  # not a vLLM with a V1 engine core
+        logger.warning("tensorhub: no vLLM engine core to hook (%s): caches are not reset at swaps", e)
+        return False
+    if getattr(EngineCore, "_tensorhub_hooked", False):
+        return True
+    rpc, init_kv = getattr(EngineCore, "collective_rpc", None), getattr(EngineCore, "_initialize_kv_caches", None)
+    if rpc is None or init_kv is None:
+        logger.warning("tensorhub: this vLLM's EngineCore has no collective_rpc/_initialize_kv_caches: "
+                       "caches are not reset at swaps")
+        return False
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        out = rpc(self, method, timeout, args, kwargs)
+        if method == "update_weights" and uses_tensorhub(self.vllm_config):
+            _reset(self)
+            _label(self, "after the swap")
+            logger.info("tensorhub: weights swapped to v%s: prefix/KV cache reset (blocks computed with the old "
+                        "weights are never reused; running requests recompute theirs)", self.get_weight_version())
+        return out
+
+    def _initialize_kv_caches(self, *a, **kw):
+        out = init_kv(self, *a, **kw)
+        if uses_tensorhub(self.vllm_config):
+            _label(self, "at start")
+        return out
+
+    collective_rpc.__doc__, _initialize_kv_caches.__doc__ = rpc.__doc__, init_kv.__doc__
+    EngineCore.collective_rpc = collective_rpc
+    EngineCore._initialize_kv_caches = _initialize_kv_caches
+    EngineCore._tensorhub_hooked = True
+    return True
