@@ -50,6 +50,10 @@ __all__ = ["Borrowed", "borrow"]
 
 logger = logging.getLogger(__name__)
 
+#: Threads that verify a borrowed replica's checksums in place (an engine's start: nothing else
+#: runs on this process's cores yet; measured 0.135 s -> 0.084 s for 1.25 GiB on 2 cores).
+_VERIFY_THREADS = 2
+
 
 class Borrowed(dict):
     """``name -> tensor``: read-only views of a same-host holder's memory, valid inside
@@ -186,8 +190,7 @@ def borrow(session: Session, opts: FetchOptions, model: str, version: int, layou
                 dt = _torch_dtype(spec.dtype)
                 out[spec.name] = torch.empty(spec.shape, dtype=dt) if v is None else v.view(dt).view(spec.shape)
             check = verifier(manifest, out, opts.checksum)
-            bad = next((why for c in range(len(check.chunks)) if (why := check.check(c))), None) \
-                if check is not None else None
+            bad = check.first_mismatch(threads=_VERIFY_THREADS) if check is not None else None
             if bad is not None:
                 logger.warning("%s: replica %s of worker %s fails its checksums in place (%s); not borrowed",
                                what, r.replica_id, r.worker_id, bad)

@@ -110,6 +110,22 @@ def test_partial_read_verifies_whole_chunks_only():
     assert sum(p[2] for c in v.chunks for p in c) == w["t1"].nbytes + w["t2"].nbytes
 
 
+def test_checking_every_chunk_on_threads_names_the_first_mismatch_in_chunk_order():
+    w = {f"t{i}": torch.arange(300_000 + i, dtype=torch.float32) for i in range(6)}  # ~7 MiB, 1 MiB grid
+    m, _ = manifest_of(w, "auto")
+    into = {k: t.clone() for k, t in w.items()}
+    v = verifier(m, into, "auto")
+    assert len(v.chunks) >= 6 and v.first_mismatch(threads=2) is None
+    assert v.nbytes == sum(t.nbytes for t in w.values())  # every byte hashed once
+    into["t5"][-1] += 1  # the last chunk ...
+    into["t2"][0] += 1  # ... and a middle one: the first in chunk order is named, as serially
+    for threads in (1, 2, 4):
+        why = verifier(m, into, "auto").first_mismatch(threads=threads)
+        serial = next(r for c in range(len(v.chunks)) if (r := v.check(c)))
+        first = next(c for c, pieces in enumerate(v.chunks) if any(i == 2 and off == 0 for i, off, _ in pieces))
+        assert why == serial and why.startswith(f"checksum mismatch on chunk {first}: ")
+
+
 def test_manifest_validation_and_comparison():
     w = {"a": torch.randn(600_000), "b": torch.randn(10)}
     m, _ = manifest_of(w, "auto")
