@@ -296,6 +296,29 @@ class CoordinatorClient:
         return VersionAnswer.model_validate(self.get(f"/v1/models/{model}/latest", params=params or None,
                                                      **kw)).version
 
+    # fleet switch groups (``_fleet``): plain JSON answers
+    def fleet_join(self, group: str, member: str, model: str, version: Optional[int], switch: str = "auto",
+                   wait: float = 60.0, engine: Optional[str] = None, **kw: Any) -> dict:
+        return self.post(f"/v1/fleets/{group}/join", {"member": member, "model": model, "version": version,
+                                                      "switch": switch, "wait": wait, "engine": engine}, **kw)
+
+    def fleet_ready(self, group: str, member: str, version: int, **kw: Any) -> dict:
+        return self.post(f"/v1/fleets/{group}/ready", {"member": member, "version": version}, **kw)
+
+    def fleet_switch(self, group: str, model: str, version: int, wait: Optional[float] = None, **kw: Any) -> dict:
+        return self.post(f"/v1/fleets/{group}/switch", {"model": model, "version": version, "wait": wait}, **kw)
+
+    def fleet_round(self, group: str, version: int, member: Optional[str] = None, **kw: Any) -> dict:
+        return self.get(f"/v1/fleets/{group}/rounds/{version}", params={"member": member} if member else None, **kw)
+
+    def fleet_applied(self, group: str, member: str, version: int, ok: bool, error: Optional[str] = None,
+                      **kw: Any) -> dict:
+        return self.post(f"/v1/fleets/{group}/applied", {"member": member, "version": version, "ok": ok,
+                                                         "error": None if error is None else error[:2000]}, **kw)
+
+    def fleet(self, group: str, **kw: Any) -> dict:
+        return self.get(f"/v1/fleets/{group}", **kw)
+
     def resolve(self, model: str, group: Optional[str] = None, **kw: Any) -> int:
         return VersionAnswer.model_validate(self.post(f"/v1/models/{model}/resolve", {"group": group}, **kw)).version
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from ._catalog import Catalog
 from ._exceptions import CoordinatorError
+from ._fleet import FleetGroups
 from ._manifest_cache import LeaseAnswers, ManifestCache
 from ._metrics import CoordinatorMetrics
 from ._state import CoordinatorState, StateConfig
@@ -117,6 +118,9 @@ class Coordinator:
         self.state = CoordinatorState.restore(self.store.load() if election is None else [], config, now=clock())
         self.metrics = CoordinatorMetrics(lambda: self.read(lambda: self.state.metrics_view(self.clock()),
                                                             check=False, soft=True), start_time=time.time())
+        #: Fleet switch groups (``_fleet``): soft state of the coordinator that leads.
+        self.fleets = FleetGroups()
+        self.metrics.registry.register(self.fleets.collector())
         if election is not None:
             election.on_elected, election.on_deposed = self._elected, self._deposed
             self.metrics.track_election(election)
@@ -148,6 +152,8 @@ class Coordinator:
 
     def _deposed(self, why: str) -> None:
         self.serving = False  # no lock: resign() may run under it; the state is rebuilt when elected
+        with self.fleets.lock:  # soft: the members join the next leader again
+            self.fleets.groups.clear()
 
     # ------------------------------------------------------------- calls and durability
     # A call runs its state-machine method under ``lock`` (microseconds) and queues the

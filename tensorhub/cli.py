@@ -94,6 +94,15 @@ def format_status(st: dict) -> str:
                          f"{_size(f['nbytes'])}/{_size(f['total'])}{pct}", f"{gbps:.2f}",
                          ",".join(sorted(f["sources"], key=lambda w: -f["sources"][w])) or "-"])
         out.extend(_table(rows))
+    for g in st.get("fleets") or []:
+        out.append("")
+        out.append(f"fleet group {g['group']} ({g['model']}, switch {g['switch']}): v{g['version']}"
+                   + (", MIXED" if g["mixed"] else "") + f"; left {g['left_total']}, failed {g['failed_total']}")
+        rows = [["MEMBER", "ENGINE", "VERSION", "IN GROUP"]]
+        for m in g["members"]:
+            rows.append([m["member"], m.get("engine") or "-", str(m["version"]),
+                         "yes" if m["in_group"] else f"no: {m['why_out']}"])
+        out.extend(_table(rows))
     if st["leases"]:
         out.append("")
         rows = [["LEASE", "READER", "MODEL", "VERSION", "LAYOUT#SHARD", "SOURCES", "EXPIRES IN"]]

@@ -41,6 +41,7 @@ from ._exceptions import (
     ConfigError, ConflictError, CoordinatorError, InvalidRequestError, NotFoundError, UnauthorizedError,
 )
 from ._coordinator import NOT_LEADER, Coordinator, before_disk_wait, ha_coordinator
+from ._fleet import add_routes as add_fleet_routes
 from ._state import StateConfig
 from ._views import version_view
 from ._wire import (
@@ -646,6 +647,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
     @app.get("/v1/status")
     def status() -> dict:
         out = coord.read(lambda: st().status(coord.clock()))
+        out["fleets"] = coord.fleets.views()
         if coord.election is not None:
             me = coord.election.url
             try:
@@ -674,6 +676,8 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
                     "" if req.fetch_seconds is None else f" (fetch {req.fetch_seconds:.3f}s"
                     + ("" if req.apply_seconds is None else f", apply {req.apply_seconds:.3f}s") + ")")
         return {}
+
+    add_fleet_routes(app, coord.fleets)
 
     @app.get("/metrics", response_class=_PrometheusText,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})

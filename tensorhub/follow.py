@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, TextIO
 
+from ._exceptions import ConflictError, NotFoundError
 from .config import HubConfig
 
 __all__ = ["Driver", "EngineWorker", "ProgressLine", "drivers", "engine_holds", "follow", "main", "parser", "pick", "progress_text",
@@ -179,6 +180,17 @@ def parser(engine_help: str, modes: Sequence[str], doc: str) -> argparse.Argumen
                         "workers the engine names itself (vLLM: through /collective_rpc, dev mode)")
     p.add_argument("--prefetch-wait", type=float, default=300.0,
                    help="most seconds a swap waits for the engine's prefetch (then it swaps anyway)")
+    p.add_argument("--group", default=None,
+                   help="fleet switch group: the engines of the group (one follow process each) switch to each "
+                        "version in two phases -- all prefetch and say ready, then the ready ones apply; an engine "
+                        "not ready by the deadline leaves the group for that version and catches up alone "
+                        "(`tensorhub status` and /metrics show the group)")
+    p.add_argument("--group-switch", choices=("auto", "caller"), default="auto",
+                   help="auto: a round applies once every member is ready (or at --group-wait); caller: only when "
+                        "the trainer asks, at its step boundary (Hub.fleet_switch)")
+    p.add_argument("--group-wait", type=float, default=60.0,
+                   help="seconds a round waits for the group's members to be ready (from its first ready member, "
+                        "or from the caller's switch)")
     return p
 
 
@@ -275,10 +287,13 @@ def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tupl
         if current is None and runs is not None:  # no swap yet: the engine reports no version, its workers do
             current = runs
             print(f"the engine's TensorHub workers run {args.model} v{runs}", file=sys.stderr, flush=True)
+        fleet = _Fleet(hub, args, current) if getattr(args, "group", None) else None
         while not args.max_swaps or swaps < args.max_swaps:
             try:
-                v = hub.wait_for_version(args.model, newer_than=current, timeout=60)
+                v = hub.wait_for_version(args.model, newer_than=current, timeout=60 if fleet is None else 3)
             except tensorhub.HubTimeoutError:
+                if fleet is not None:
+                    fleet.refresh(current)
                 continue
             except KeyboardInterrupt:
                 return 130
@@ -288,7 +303,15 @@ def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tupl
                 line.draw(progress_text(hub.api.status(retry_timeout=1.0), args.model, v, stall))
 
             waited = ""
-            if prefetchers:
+            if fleet is not None:
+                go, waited = fleet.round(v, prefetchers)
+                if go is None:  # a newer version overtook this round: nobody applies it
+                    continue
+                if not go:  # out of the group for v: catch up alone, then back in
+                    prefetchers_ok = not prefetchers or wait_prefetched(hub, args.model, v, prefetchers,
+                                                                        args.prefetch_wait)
+                    waited += "" if prefetchers_ok else "; swapping without the prefetch"
+            elif prefetchers:
                 t_wait = time.monotonic()
                 if wait_prefetched(hub, args.model, v, prefetchers, args.prefetch_wait):
                     waited = f"; the engine had prefetched it (waited {time.monotonic() - t_wait:.2f}s)"
@@ -300,14 +323,92 @@ def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tupl
             except RuntimeError as e:
                 line.done()
                 print(f"v{v}: swap failed, engine kept v{current}: {e}", file=sys.stderr, flush=True)
+                if fleet is not None:
+                    fleet.applied(v, current, False, str(e))
                 time.sleep(1)
                 continue
             line.done()
             swaps += 1
             current = v
+            if fleet is not None:
+                fleet.applied(v, current, True)
             print(f"v{v}: stall {stall:.3f}s, {nbytes / 1e6:.1f} MB from holders {', '.join(holders)}{waited}",
                   flush=True)
     return 0
+
+
+class _Fleet:
+    """This follow process's part in a fleet switch group (``tensorhub._fleet``): join, say
+    ready when the engine holds a version, apply only when the round says go, report the
+    outcome. Joins again whenever the coordinator forgot the member (a restart)."""
+
+    def __init__(self, hub: Any, args: argparse.Namespace, version: Optional[int]) -> None:
+        self.hub, self.args, self.group, self.member = hub, args, args.group, hub.worker_id
+        self.in_round: Optional[int] = None
+        self.refresh(version, say=True)
+
+    def refresh(self, version: Optional[int], say: bool = False) -> dict:
+        a = self.args
+        view = self.hub.api.fleet_join(self.group, self.member, a.model, version, a.group_switch, a.group_wait,
+                                       engine=a.engine)
+        me = next((m for m in view["members"] if m["member"] == self.member), {})
+        if say:
+            print(f"fleet group {self.group}: member {self.member}, "
+                  + ("in the group" if me.get("in_group") else f"out of the group ({me.get('why_out')})")
+                  + f" at v{view['version']}", file=sys.stderr, flush=True)
+        self.version = version
+        return view
+
+    def _call(self, fn: Callable[[], dict]) -> dict:
+        try:
+            return fn()
+        except NotFoundError as e:
+            if e.code not in ("unknown_fleet_member", "unknown_fleet"):
+                raise
+            self.refresh(self.version, say=True)  # the coordinator forgot us (restarted): join again
+            return fn()
+
+    def round(self, v: int, prefetchers: Sequence[str]) -> tuple[Optional[bool], str]:
+        """Take part in the round of ``v`` until it decides: (True: apply now, False: this
+        member is out for ``v``, None: overtaken by a newer version), and a note."""
+        a, t0, ready, said = self.args, time.monotonic(), False, False
+        while True:
+            if not ready:
+                try:
+                    status = self.hub.api.status(retry_timeout=1.0) if prefetchers else {}
+                except Exception:
+                    status = None
+                ready = status is not None and all(engine_holds(status, a.model, v, w) for w in prefetchers)
+            try:
+                r = self._call(lambda: self.hub.api.fleet_ready(self.group, self.member, v) if ready
+                               else self.hub.api.fleet_round(self.group, v, self.member))
+            except ConflictError as e:  # the group already runs a newer version: follow the newest
+                if e.code != "fleet_stale_version":
+                    raise
+                return None, ""
+            if r["state"] in ("apply", "done"):
+                break
+            if not ready and not said and time.monotonic() - t0 > a.prefetch_wait:
+                said = True
+                print(f"v{v}: the engine does not hold it after {a.prefetch_wait:.0f}s; fleet group {self.group} "
+                      f"goes on without it at the round's deadline", file=sys.stderr, flush=True)
+            time.sleep(0.2)
+        waited = time.monotonic() - t0
+        if self.member in r["go"]:
+            self.in_round = v
+            return True, (f"; fleet group {self.group}: {len(r['go'])} apply together after {waited:.2f}s"
+                          + (f", left: {', '.join(r['left'])}" if r["left"] else ""))
+        if not r["go"]:
+            return None, ""
+        why = "not ready by the round's deadline" if self.member in r["left"] else "out of the group"
+        print(f"v{v}: left fleet group {self.group} for v{v} ({why}); catching up alone", file=sys.stderr, flush=True)
+        return False, f"; alone, out of fleet group {self.group}"
+
+    def applied(self, v: int, current: Optional[int], ok: bool, error: Optional[str] = None) -> None:
+        if self.in_round == v:
+            self.in_round = None
+            self._call(lambda: self.hub.api.fleet_applied(self.group, self.member, v, ok, error))
+        self.refresh(current)  # a member that caught up alone is back in the group
 
 
 def run(driver: Driver, argv: Optional[Sequence[str]] = None) -> int:

@@ -247,6 +247,30 @@ class Hub:
                     f"no complete version of {model!r}" + (f" newer than {newer_than}" if newer_than else "")
                     + f" within {timeout}s")
 
+    def fleet_switch(self, group: str, model: str, version: int, *, wait: Optional[float] = None,
+                     timeout: float = 900.0) -> dict:
+        """Switch the fleet group ``group`` (engines followed by ``tensorhub follow --group``)
+        to ``model`` v``version``, in two phases, at the caller's step boundary: members
+        whose engine holds the version (prefetched) are ready; once all are (or after
+        ``wait`` seconds, default the group's ``--group-wait``) the ready ones apply and the
+        others leave the group for this version. Returns when every applying member
+        reported, with the round: ``go``, ``applied``, ``failed`` (member -> why), ``left``;
+        from then on every member in the group serves ``version`` (``fleet(group)``)."""
+        deadline = time.monotonic() + timeout
+        r = self.api.fleet_switch(group, model, version, wait)
+        while r["state"] != "done":
+            if time.monotonic() >= deadline:
+                raise HubTimeoutError(f"fleet group {group!r} did not finish switching to v{version} within "
+                                      f"{timeout}s (round: {r})")
+            time.sleep(0.1)
+            r = self.api.fleet_round(group, version)
+        return r
+
+    def fleet(self, group: str) -> dict:
+        """A fleet group now: its version, members (version, in the group or out and why),
+        recent rounds, ``mixed`` (the alarm) and how many left or failed."""
+        return self.api.fleet(group)
+
     def resolve(self, model: str, *, group: Optional[str] = None) -> int:
         """The version to fetch: the newest complete one; every caller passing the same
         ``group`` (e.g. one id per TP group and update step) gets the same number."""
