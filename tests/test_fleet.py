@@ -213,3 +213,26 @@ def test_routes_status_and_metrics_on_a_real_coordinator(embedded, connect):
         bad = httpx.get(f"{url}/v1/fleets/nope")
         assert bad.status_code == 404 and bad.json()["code"] == "unknown_fleet"
         assert httpx.get(f"{url}/v1/fleets/rl").json()["version"] == 2
+
+
+def test_a_follow_process_joins_again_when_the_coordinator_forgot_its_group(embedded, connect, capsys):
+    """Groups are soft state: after a coordinator restart (here: its groups dropped, what a
+    restart leaves) a member's next call is answered unknown_fleet_member and the follow
+    process joins again with its engine's version; the round then runs as usual."""
+    import argparse
+
+    from tensorhub.follow import _Fleet
+
+    hub = connect("f-a")
+    args = argparse.Namespace(group="rl", model="policy", group_switch="auto", group_wait=30.0,
+                              engine="http://127.0.0.1:9", prefetch_wait=1.0)
+    f = _Fleet(hub, args, 1)
+    assert "fleet group rl: member f-a, in the group at v1" in capsys.readouterr().err
+    with embedded.coordinator.fleets.lock:
+        embedded.coordinator.fleets.groups.clear()
+    go, note = f.round(2, [])  # an engine without prefetch is ready at once; alone, it applies
+    assert go is True and "1 apply together" in note
+    assert "fleet group rl: member f-a, in the group at v1" in capsys.readouterr().err  # joined again
+    f.applied(2, 2, True)
+    view = hub.fleet("rl")
+    assert view["version"] == 2 and [m["member"] for m in view["members"] if m["in_group"]] == ["f-a"]
