@@ -67,7 +67,13 @@ def rollouts(llm, pub: dict, prev: dict | None = None) -> tuple:
     c = check(got, lps, pub, prev)
     if c["problem"]:
         raise RuntimeError(f"v{pub['version']}: {c['problem']}")
-    return score(got), f"{words(prompts[1])} -> {words(got[1])}", c["note"]
+    # each rollout's version stamp: vLLM labels every output token with the weights that
+    # sampled it (the plug-in sets that label to the TensorHub version at every swap)
+    stamps = [sorted({str(s.version) for s in (o.outputs[0].weight_versions or [])}) for o in outs]
+    if any(st != [str(pub["version"])] for st in stamps):
+        raise RuntimeError(f"v{pub['version']}: rollouts stamped {stamps}, not v{pub['version']}")
+    return score(got), f"{words(prompts[1])} -> {words(got[1])}", f"{c['note']}; {len(outs)} rollouts stamped " \
+        f"v{pub['version']}"
 
 
 def _stop_children() -> None:
