@@ -13,7 +13,9 @@ imports an adapter, and neither adapter imports the other.
 * :mod:`.worker`: the worker process's state, connect, resolve (which version the engine
   loads), fetch, and ``on_missing="disk"`` (read the weight files, publish them once);
 * :mod:`.load`: putting weights into the model: ``load_weights`` in buckets, streaming
-  through one buffer, layout checks, raw copies of a native shard, native layout names.
+  through one buffer, layout checks, raw copies of a native shard, native layout names;
+* :mod:`.rollback`: a failed swap puts the previous version's exact bytes back (the kept
+  copy, else read again from peers), or marks the worker broken.
 
 The follow loop (``tensorhub follow``) is engine-neutral too and lives below, in
 :mod:`tensorhub.follow`; the adapters register their drivers as ``tensorhub.engines``

@@ -80,6 +80,11 @@ class WorkerState:
     retired: list = field(default_factory=list)  # old (version, copy) whose readers had not drained
     pending_borrow: Any = None  # a start in place's open Borrowed, until the loader hands it to keep_borrowed
     keeper: Optional[threading.Thread] = None  # making the hf copy after a start in place (keep_borrowed)
+    #: Why the parameters are a mix of two versions (a failed swap whose rollback failed:
+    #: ``rollback.roll_back``); None while they are one version's exact bytes.
+    broken: Optional[str] = None
+    #: The last swap got as far as changing parameters (even if it then rolled back).
+    touched: bool = False
     _copies: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def engine(self) -> EngineRanks:

@@ -26,6 +26,14 @@ the tokens of the first step on the new weights already carry the new version, e
 the caller does not pause. ``finish_weight_update(weight_version=X)`` still sets vLLM's
 label to ``X`` afterwards (``tensorhub follow`` and the trainer engine pass the TensorHub
 number, so it stays the same).
+
+**A failed swap.** When a tensorhub ``update_weights`` raises, the workers have rolled back
+to the version they ran (:mod:`integrations._core.rollback`): the caches are reset all the
+same and the label is set to the version the workers hold (the old one). If a worker could
+not restore it, its parameters are a mix of two versions: the engine then refuses every
+request (``add_request`` raises; in the OpenAI server's engine-core process the busy loop
+stops, so vLLM reports the engine dead and ``/health`` fails) -- a restart, not an answer
+from mixed weights.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "worker_version", "uses_tensorhub"]
+__all__ = ["install", "worker_version", "worker_broken", "uses_tensorhub"]
 
 
 def worker_version(worker: Any = None) -> Optional[int]:
@@ -76,9 +84,83 @@ def _reset(core: Any) -> None:
         raise RuntimeError("tensorhub: vLLM could not reset its prefix cache after the swap")
 
 
+def worker_broken(worker: Any = None) -> Optional[str]:
+    """Why this worker's parameters are a mix of two versions (a failed swap whose rollback
+    failed too), None when they are one version's bytes. Called through ``collective_rpc``."""
+    from .._core import worker as core
+
+    st = core.get_state()
+    return None if st is None else st.broken
+
+
+def worker_touched(worker: Any = None) -> bool:
+    """Whether this worker's last swap changed parameters (then rolled back or not)."""
+    from .._core import worker as core
+
+    st = core.get_state()
+    return st is not None and st.touched
+
+
+def _after_failed_swap(core: Any) -> None:
+    """A tensorhub ``update_weights`` raised: the workers rolled back to the version they ran
+    (or could not). Reset the caches if any worker got as far as changing parameters (a
+    failed fetch changed none: the cache stays valid), keep the label at the version the workers hold, and if
+    any worker could not restore, stop the engine serving (:func:`_refuse_if_broken`)."""
+    try:
+        if any(_as_list(core.model_executor.collective_rpc(worker_touched))):
+            _reset(core)
+    except Exception as e:
+        logger.warning("tensorhub: cache reset after the failed swap failed: %s", e)
+    _label(core, "after the failed swap")
+    try:
+        why = next((b for b in _as_list(core.model_executor.collective_rpc(worker_broken)) if b), None)
+    except Exception as e:
+        why = f"could not ask the workers whether they restored the old version: {e}"
+    if why:
+        core._tensorhub_broken = why
+        logger.error("tensorhub: %s; the engine refuses every request from now on (never answering with a mix "
+                     "of layers): restart it", why)
+    else:
+        logger.warning("tensorhub: the swap failed and was rolled back; the engine serves v%s (prefix/KV cache "
+                       "reset)", core.get_weight_version())
+
+
+def _as_list(x: Any) -> list:
+    return x if isinstance(x, list) else [x]
+
+
+def _refuse_if_broken(core: Any) -> None:
+    why = getattr(core, "_tensorhub_broken", None)
+    if why:
+        raise RuntimeError(f"tensorhub: this engine refuses requests: {why}; restart it")
+
+
+def _hook_proc() -> None:
+    """The engine-core process (the OpenAI server's): once a failed swap left a mix of
+    layers, the utility call's error goes out first, then the busy loop stops, so vLLM marks
+    the engine dead (``/health`` fails, every request gets an error) instead of serving it."""
+    try:
+        from vllm.v1.engine.core import EngineCoreProc
+    except Exception:
+        return
+    handle = getattr(EngineCoreProc, "_handle_client_request", None)
+    if handle is None:
+        return
+
+    def _handle_client_request(self, request_type, request):
+        out = handle(self, request_type, request)
+        _refuse_if_broken(self)
+        return out
+
+    _handle_client_request.__doc__ = handle.__doc__
+    EngineCoreProc._handle_client_request = _handle_client_request
+
+
 def install() -> bool:
     """Wrap ``EngineCore.collective_rpc`` (after ``update_weights``: reset the caches, set
-    the label) and ``EngineCore._initialize_kv_caches`` (the engine is up: set the label).
+    the label; after a failed one as well, and stop the engine if a worker could not roll
+    back), ``EngineCore.add_request`` (refused once a worker could not roll back) and
+    ``EngineCore._initialize_kv_caches`` (the engine is up: set the label).
     Idempotent; False (and one warning) when this vLLM lacks the names."""
     try:
         from vllm.v1.engine.core import EngineCore
@@ -88,19 +170,29 @@ def install() -> bool:
     if getattr(EngineCore, "_tensorhub_hooked", False):
         return True
     rpc, init_kv = getattr(EngineCore, "collective_rpc", None), getattr(EngineCore, "_initialize_kv_caches", None)
-    if rpc is None or init_kv is None:
+    add_req = getattr(EngineCore, "add_request", None)
+    if rpc is None or init_kv is None or add_req is None:
         logger.warning("tensorhub: this vLLM's EngineCore has no collective_rpc/_initialize_kv_caches: "
                        "caches are not reset at swaps")
         return False
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        out = rpc(self, method, timeout, args, kwargs)
-        if method == "update_weights" and uses_tensorhub(self.vllm_config):
-            _reset(self)
-            _label(self, "after the swap")
-            logger.info("tensorhub: weights swapped to v%s: prefix/KV cache reset (blocks computed with the old "
-                        "weights are never reused; running requests recompute theirs)", self.get_weight_version())
+        if method != "update_weights" or not uses_tensorhub(self.vllm_config):
+            return rpc(self, method, timeout, args, kwargs)
+        try:
+            out = rpc(self, method, timeout, args, kwargs)
+        except Exception:
+            _after_failed_swap(self)
+            raise
+        _reset(self)
+        _label(self, "after the swap")
+        logger.info("tensorhub: weights swapped to v%s: prefix/KV cache reset (blocks computed with the old "
+                    "weights are never reused; running requests recompute theirs)", self.get_weight_version())
         return out
+
+    def add_request(self, *a, **kw):
+        _refuse_if_broken(self)
+        return add_req(self, *a, **kw)
 
     def _initialize_kv_caches(self, *a, **kw):
         out = init_kv(self, *a, **kw)
@@ -109,7 +201,10 @@ def install() -> bool:
         return out
 
     collective_rpc.__doc__, _initialize_kv_caches.__doc__ = rpc.__doc__, init_kv.__doc__
+    add_request.__doc__ = add_req.__doc__
     EngineCore.collective_rpc = collective_rpc
+    EngineCore.add_request = add_request
+    _hook_proc()
     EngineCore._initialize_kv_caches = _initialize_kv_caches
     EngineCore._tensorhub_hooked = True
     return True

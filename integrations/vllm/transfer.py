@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from .._core import load, worker
+from .._core import load, rollback, worker
 from .._core.settings import Settings, SettingsError
 from . import _native, _runtime
 
@@ -121,9 +121,11 @@ class _Mixin:
         if isinstance(requested, str) and requested.isdigit():
             requested = int(requested)
         t0 = time.monotonic()
+        st.touched = False
         st.wait_kept(s.fetch_timeout)  # a start in place still copying the running version: let it finish
         old_v = st.version
         got, err = None, None
+        kept: Optional[Any] = None
         prefetched = False
         try:
             v = worker.resolve(st, requested, on_missing="error", what="update_info 'version'")
@@ -137,6 +139,9 @@ class _Mixin:
                     # checked against its checksums before any delta is applied).
                     got = worker.fetch(st, v, into=spare, base=st.spare_base(spare, v))
                 load.check_same_layout(st.specs, got, f"{s.model!r} v{v}")
+                # The copy of old_v this rank serves: a failed apply restores from it
+                # (withdraw() below drops it from the state on a GPU engine, not its bytes).
+                kept = st.copy
                 # The parameters are served in place: no reader may be reading them when
                 # they change. Unpublish the running version (every layout) and let it drain.
                 _native.withdraw(st)
@@ -153,13 +158,23 @@ class _Mixin:
             self._swap_t0 = None  # vLLM ends the session: no finish_weight_update follows
             where, why = failed
             where = f" ({where})" if where else ""
-            raise RuntimeError(f"tensorhub: could not fetch {s.model!r} v{requested}{where}: {why}; "
+            raise RuntimeError(f"tensorhub: could not fetch {s.model!r} v{requested}{where}: {why}; the swap "
+                               f"failed before any parameter changed and was rolled back to v{old_v}: "
                                f"the engine keeps serving v{old_v}")
         if got is None:
             logger.info("tensorhub: already at %s v%d", s.model, v)
             return
         t1 = time.monotonic()
-        loading = self._apply(got)
+        loading, err = 0.0, None
+        st.touched = True  # the engine core resets its caches after this swap, even a failed one
+        try:
+            loading = self._apply(got)
+        except Exception as e:  # some layers may hold v already: every rank rolls back below
+            err = f"{type(e).__name__}: {str(e).removeprefix('tensorhub: ')}"
+            logger.error("tensorhub: applying %s v%d failed on worker %s: %s", s.model, v, st.hub.worker_id, err)
+        failed = st.engine().first_error(err)  # all ranks apply v, or all go back to old_v
+        if failed is not None:
+            self._roll_back(st, requested, v, old_v, got, kept, failed, t0)
         t2 = time.monotonic()
         old_copy = st.copy
         st.version, st.specs, st.copy = v, load.specs_of(got), (got if st.serving else None)
@@ -179,21 +194,90 @@ class _Mixin:
     def _apply(self, tensors: Any) -> float:
         """vLLM's layerwise reload of the fetched version; returns the seconds in
         ``load_weights`` (which also processes each layer once it is whole, e.g. the CPU
-        prepacking; the rest is vLLM's set-up and finalize)."""
+        prepacking; the rest is vLLM's set-up and finalize). The test hook
+        (:class:`_FailPoint`) may make it fail; never while it restores (:meth:`_restore`)."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
+        fail = None if getattr(self, "_restoring", False) else _FailPoint.from_env()
         model = self.model  # type: ignore[attr-defined]
         initialize_layerwise_reload(model)
         # One pass, as vLLM's own reload_weights does: the whole version is in memory
         # already, so buckets would bound nothing and only add calls.
+        items = iter(tensors.items()) if fail is None else fail.wrap(tensors)
         t0 = time.monotonic()
-        model.load_weights(iter(tensors.items()))
+        model.load_weights(items)
         loading = time.monotonic() - t0
+        if fail is not None:
+            fail.at_finalize()
         finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
         return loading
+
+    def _abandon_reload(self) -> None:
+        """After an interrupted :meth:`_apply`: drop what vLLM's layerwise reload buffered for
+        layers that were not whole yet and put every unprocessed layer's own tensors back
+        (vLLM's finalize: those still hold the old bytes), so the model has its parameters
+        again and a full reload can start from a clean state."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        model = self.model  # type: ignore[attr-defined]
+        for layer in model.modules():
+            info = get_layerwise_info(layer)
+            if info.can_load():  # waiting for more weights: forget the new version's part
+                info.loaded_weights.clear()
+                info.load_numel = 0
+        finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
+
+    def _restore(self, tensors: Any) -> None:
+        """Apply the previous version again, in full, over whatever the failed apply left."""
+        self._abandon_reload()
+        fail = _FailPoint.from_env(restoring=True)
+        if fail is not None:
+            fail.fail("in the rollback's own apply")
+        self._restoring = True
+        try:
+            self._apply(tensors)
+        finally:
+            self._restoring = False
+
+    def _roll_back(self, st: "_runtime.WorkerState", requested: Any, v: int, old_v: Optional[int], got: Any,
+                   kept: Any, failed: tuple[str, str], t0: float) -> None:
+        """Applying ``v`` failed on some rank (``failed``: where, why): every rank puts
+        ``old_v``'s exact bytes back (:func:`integrations._core.rollback.roll_back`), serves
+        ``old_v`` again, and the call raises one message naming the rollback. When a rank
+        cannot restore, the message says the engine is broken (it then stops serving)."""
+        s = st.settings
+        where, why = failed
+        where = f" ({where})" if where else ""
+        failure = f"applying {s.model!r} v{v} failed{where}: {why}"
+        err: Optional[str] = None
+        how = ""
+        try:
+            how = rollback.roll_back(st, old_v, kept, self._restore, failure)
+        except rollback.RollbackError as e:
+            err = str(e).removeprefix("tensorhub: ")
+        broken = st.engine().first_error(err)  # the engine is whole only if every rank restored
+        if st.serving:  # the fetched copy of v (registered): not a version this engine runs
+            st.retire_later(v, got, reason="the swap failed")
+        self._report_swap(st, requested, getattr(self, "_swap_t0", None) or t0, ok=False)
+        self._swap_t0 = None  # vLLM ends the session: no finish_weight_update follows
+        if broken is not None:
+            place = f" ({broken[0]})" if broken[0] else ""
+            st.broken = st.broken or f"another rank could not restore v{old_v}{place}: {broken[1]}"
+            raise RuntimeError(f"tensorhub: the swap to v{v} failed and rolling back to v{old_v} failed "
+                               f"too{place}: {broken[1]}; the engine refuses to serve a mix of layers: restart it")
+        if kept is not None and st.copy is None and st.serving:  # withdrawn (GPU native): serve it again
+            try:
+                st.hub.publish(s.model, kept, version=old_v, layout="hf")
+                st.copy = kept
+            except Exception as e:
+                logger.warning("tensorhub: could not register the hf copy of %s v%s again: %s", s.model, old_v, e)
+        _native.publish(st, self.model)  # type: ignore[attr-defined]  # old_v's parameters again
+        raise RuntimeError(f"tensorhub: {failure}; the swap failed and was rolled back to v{old_v} "
+                           f"(every parameter restored {how}): the engine keeps serving v{old_v}")
 
     def finish_weight_update(self) -> None:
         t0, parts = getattr(self, "_swap_t0", None), getattr(self, "_swap_parts", None)
@@ -221,6 +305,68 @@ class _Mixin:
         st = getattr(self, "_state", None)
         if st is not None and st.prefetcher is not None:
             st.prefetcher.stop()
+
+
+class _FailPoint:
+    """Test hook, never set in production: ``TENSORHUB_TEST_FAIL_APPLY`` makes the next
+    apply fail at a chosen point, so tests can show the rollback on a real engine.
+
+    The value (or, with a leading ``@``, the contents of that file, read at each swap so a
+    test can change it while the engine runs; a missing file means no failure):
+    ``before`` (before the first tensor reaches ``load_weights``), ``after:N`` (after N
+    tensors, i.e. with the layers they complete already applied), ``last`` (at the last
+    tensor), ``finalize`` (after ``load_weights``, before vLLM's finalize); add
+    ``+restore`` to make the rollback's own apply fail too (the engine then refuses to
+    serve). Read once per swap, outside the per-tensor path when unset."""
+
+    ENV = "TENSORHUB_TEST_FAIL_APPLY"
+
+    def __init__(self, point: str, count: int = 0) -> None:
+        self.point, self.count = point, count
+
+    @classmethod
+    def parse(cls, spec: str, restoring: bool = False) -> Optional["_FailPoint"]:
+        spec = spec.strip()
+        if not spec:
+            return None
+        point, _, flags = spec.partition("+")
+        if restoring:  # the rollback's own apply fails only when asked
+            return cls("restore") if flags == "restore" else None
+        name, _, n = point.partition(":")
+        if name not in ("before", "after", "last", "finalize") or (name == "after") != n.isdigit() \
+                or flags not in ("", "restore"):
+            raise ValueError(f"{cls.ENV}={spec!r}: expected before, after:N, last or finalize, "
+                             "optionally +restore")
+        return cls(name, int(n) if n else 0)
+
+    @classmethod
+    def from_env(cls, restoring: bool = False) -> Optional["_FailPoint"]:
+        import os
+
+        spec = os.environ.get(cls.ENV, "")
+        if spec.startswith("@"):
+            try:
+                with open(spec[1:]) as f:
+                    spec = f.read()
+            except FileNotFoundError:
+                return None
+        return cls.parse(spec, restoring)
+
+    def fail(self, what: str) -> None:
+        raise RuntimeError(f"test failure injected {what} ({self.ENV})")
+
+    def wrap(self, tensors: Any) -> Any:
+        """``tensors``' items for ``load_weights``, raising at the chosen point."""
+        total = len(tensors)
+        stop = {"before": 0, "after": self.count, "last": total - 1}.get(self.point)
+        for i, item in enumerate(tensors.items()):
+            if i == stop:
+                self.fail(f"after {i} of {total} tensors")
+            yield item
+
+    def at_finalize(self) -> None:
+        if self.point == "finalize":
+            self.fail("before vLLM's finalize, every tensor loaded")
 
 
 def make_engine_class() -> type:
