@@ -15,7 +15,7 @@ seeding; ``pick_chunk`` for which chunk to read from which source; ``chunk_order
   ``--coord-scale``) and is served first come first served by one server; what it decides
   takes effect when it is served. A reader joins a striped plan only if its lease is
   served inside the plan's forming window (``_stripes.WINDOW``, 50 ms after the first
-  member); a later one is a *late joiner*, a leaf in every stripe (never a parent); once
+  member); a later one is a *late joiner*, a carrier at the bottom of the tree (``Plan.join``); once
   a reader registered a complete copy, later ones get no plan. The reader's loop waits for
   each call; a reader is done when its release+register is answered;
 * **same-host reads go through the NIC** (``--samehost-path none``, the default): a replica
@@ -515,7 +515,7 @@ class MapSim(Sim):
       are made (``_state.acquire_lease``: ``own`` is None for a chunk-map replica); where
       one source is scarce the coordinator's striped plan (``_stripes.Plan``, joined and
       asked exactly as ``_grants._planned`` does, at the time the lease is *served*: inside
-      the plan's forming window a member, after it a late joiner -- a leaf in every stripe --
+      the plan's forming window a member, after it a late joiner -- a carrier at the tree's bottom --
       and, once some reader registered a complete copy, no plan) names each stripe's parent
       instead, and the reader reads each stripe only from it (any source after a stall);
     * the reader loop of ``ShardReader._loop``: submit (sources by cost, partial first,
@@ -1063,7 +1063,7 @@ class MapSim(Sim):
         roles = {"member": 0, "late": 0, "none": 0}
         for r in rs:
             plan = self.plans.get(r.plan_key) if r.plan_key is not None else None
-            roles["none" if plan is None else "member" if str(r.wid) in plan.order else "late"] += 1
+            roles["none" if plan is None else "late" if str(r.wid) in plan.late else "member"] += 1
         starts = [r.start_t for r in rs if r.start_t is not None]
         return {"seconds": max(times), "crossed_bytes": self.crossed, "from_trainer_bytes": self.from_trainer,
                 "calls_mean": float(np.mean(calls)), "calls_max": max(calls),
@@ -1658,7 +1658,7 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
           "bytes / the reader's NIC (NVLink where a GPU of its node holds it: elastic), every other datacenter "
           "receiving it once; 'pub x' = bytes the trainer sent / version; 'xDC x' = bytes that crossed "
           "datacenters / version; 'in plan/late/none' = readers whose lease was served inside the plan's "
-          "forming window / after it (leaves in every stripe) / with no plan (a complete copy existed by then, or "
+          "forming window / after it (late: carriers at the tree's bottom) / with no plan (a complete copy existed by then, or "
           "no scarce source); 'leases s' = when the first and the last reader's lease was answered; 'coord s' = "
           "the coordinator's busy seconds; 'calls' = coordinator calls per reader; targets (issue 31): /bound "
           "<= 1.3 with same-host reads over the NIC, <= 1.2 with a same-host path; pub x <= 1.05)")

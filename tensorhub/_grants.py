@@ -247,7 +247,8 @@ class Grants:
         by_id = {rid: hit for rid in use if (hit := serving(rid)) is not None}
         if not by_id:
             return None, offered
-        who = f"member {plan.order[req.worker_id] + 1}" if req.worker_id in plan.order else "late"
+        who = ("late carrier" if req.worker_id in plan.late else
+               f"member {plan.order[req.worker_id] + 1}" if req.worker_id in plan.order else "late")
         # (across datacenters the reader seeds its groups: the others of its datacenter read
         # by a plan rooted at its partial replica)
         seed = tuple(lvl for lvl in LEVELS if not seeders[lvl][1] or seeders[lvl][0] == req.worker_id) \

@@ -178,6 +178,62 @@ def test_late_joiners_are_leaves_under_the_least_loaded():
     assert p.parents("late", 2.0)[0] == row  # stable
 
 
+def _late_fleet(fixed: int, total: int, bad=lambda rid: False):
+    p = Plan("root", STRIPES, opened=0.0)
+    for k in range(fixed):
+        p.join(f"w{k}", f"r{k}", 0.0)
+    rows = {}
+    for k in range(fixed, total):
+        p.join(f"w{k}", f"r{k}", 1.0)
+        rows[k] = p.parents(f"w{k}", 1.0, bad)[0]
+    for k in range(fixed):
+        rows[k] = p.parents(f"w{k}", 1.0, bad)[0]
+    return p, rows
+
+
+def _row_depth(rows: dict, k: int, s: int) -> int:
+    d = 0
+    while k >= 0:
+        x = rows[k][s]
+        k = -1 if x == "root" else int(x[1:])
+        d += 1
+        assert d <= len(rows), "a cycle"
+    return d
+
+
+def test_late_joiners_become_carriers_and_every_uplink_stays_near_one_version():
+    """1,024 readers of which 50 joined inside the window: the late ones carry stripes
+    at the bottom of the tree (before: leaves under the 50, ~20 versions per uplink)."""
+    p, rows = _late_fleet(50, 1024)
+    sent = {}  # member -> children over all stripes (each child gets 1/D of the version)
+    for (m, s), n in p.kids.items():
+        sent[m] = sent.get(m, 0) + n
+    assert max(sent.values()) <= 2 * STRIPES + 1  # <= 2.25 versions; most send 3/4 of one
+    assert sorted(sent.values())[len(sent) // 2] <= STRIPES
+    late_parents = {int(x[1:]) for k, row in rows.items() if k >= 50 for x in row if x != "root"}
+    assert any(m >= 50 for m in late_parents)  # late joiners are parents too
+    for k, row in rows.items():
+        for s, x in enumerate(row):
+            assert x != NONE
+            if x != "root":
+                q = int(x[1:])
+                assert q < k or k < 50  # a late joiner's parents arrived first: never a descendant
+                assert q in p.carriers[s]  # and carry that stripe
+    assert max(_row_depth(rows, k, s) for k in rows for s in range(STRIPES)) <= 8  # log_D, not a chain
+    # the root still sends every stripe once
+    assert sum(1 for row in rows.values() for x in row if x == "root") == STRIPES
+
+
+def test_a_late_joiner_under_a_failed_carrier_moves_to_an_earlier_one():
+    p, rows = _late_fleet(8, 200)
+    k = 199
+    s = next(s for s, x in enumerate(rows[k]) if x != "root" and int(x[1:]) >= 8)  # a late parent
+    dead = rows[k][s]
+    row, _ = p.parents(f"w{k}", 2.0, lambda rid: rid == dead)
+    assert row[s] != dead and row[s] != NONE and int(row[s][1:]) < k and int(row[s][1:]) in p.carriers[s]
+    assert [x for i, x in enumerate(row) if i != s] == [x for i, x in enumerate(rows[k]) if i != s]
+
+
 def test_failed_parent_is_replaced_never_by_a_descendant():
     n = 64
     p = Plan("root", STRIPES, opened=0.0)
