@@ -33,7 +33,7 @@ from ._exceptions import (
     UnauthorizedError,
 )
 from ._metrics import FetchProgress, start_metrics_server
-from ._wire import Locality
+from ._wire import Locality, VersionMeta
 from .config import HubConfig
 from ._sliced import Slice
 from .hub import Borrowed, Fetched, Hub, connect
@@ -49,6 +49,7 @@ __all__ = [
     "Slice",
     "FetchProgress",
     "Locality",
+    "VersionMeta",
     "start_metrics_server",
     "TensorHubError",
     "ConfigError",

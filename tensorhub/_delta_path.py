@@ -63,7 +63,7 @@ from ._holdings import Held, Holdings, unregister_regions
 from ._metrics import Track
 from ._session import Session
 from ._tensors import allocate_like, check_into, coalesce, dtype_name, manifest_of
-from ._wire import LeaseGrant, Manifest, delta_layout, is_delta_layout
+from ._wire import LeaseGrant, Manifest, VersionMeta, delta_layout, is_delta_layout
 
 __all__ = ["HEADER", "DeltaRead", "check_base", "check_fetch_base", "delta_layout", "fetch_through_delta", "plan", "publish_delta"]
 
@@ -250,7 +250,8 @@ def encode_tensors(tensors: Mapping[str, Any], base: BaseCopy, *, model: str, ve
 
 def publish_with_delta(session: Session, holdings: Holdings, checksum: str, model: str,
                        tensors: Mapping[str, Any], base: Optional[int], base_tensors: Optional[Mapping[str, Any]], *,
-                       version: Optional[int], layout: str, shard: int, num_shards: int) -> int:
+                       version: Optional[int], layout: str, shard: int, num_shards: int,
+                       meta: Optional[VersionMeta] = None) -> int:
     """``Hub.publish(..., base=b)``: check the base and the tensors before anything is
     published, allocate the version, register its delta against v``b``, then publish the
     full layout, which completes the version (a delta layout never does): a reader woken
@@ -274,7 +275,7 @@ def publish_with_delta(session: Session, holdings: Holdings, checksum: str, mode
                        model, v, base, e, exc_info=not isinstance(e, TensorHubError))
     try:
         return _holder.publish(session, holdings, checksum, model, tensors, version=v, layout=layout, shard=shard,
-                               num_shards=num_shards)
+                               num_shards=num_shards, meta=meta)
     except BaseException:
         try:  # no delta left behind for a version that is not published
             _withdraw_delta(session, holdings, model, v, delta_layout(base, layout), shard)

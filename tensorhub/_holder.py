@@ -19,6 +19,7 @@ from ._holdings import Held, Holdings, register_regions, unregister_regions
 from ._retry import jittered, next_delay
 from ._session import Session
 from ._tensors import allocate_like, coalesce, manifest_of
+from ._wire import VersionMeta
 
 __all__ = ["publish", "unpublish"]
 
@@ -38,9 +39,12 @@ def serve(session: Session, holdings: Holdings, h: Held, transport: Any) -> None
 
 
 def publish(session: Session, holdings: Holdings, checksum: str, model: str, tensors: Mapping[str, Any], *,
-            version: Optional[int], layout: str, shard: int, num_shards: int) -> int:
-    """``Hub.publish`` (see there)."""
+            version: Optional[int], layout: str, shard: int, num_shards: int,
+            meta: Optional[VersionMeta] = None) -> int:
+    """``Hub.publish`` (see there); ``meta`` goes on the manifest (a LoRA adapter's)."""
     manifest, addrs = manifest_of(tensors, checksum)
+    if meta is not None:
+        manifest = manifest.model_copy(update={"meta": meta})
     if not 0 <= shard < num_shards:
         raise ConfigError(f"shard {shard} is not in [0, {num_shards})")
     # A retried allocation (the answer was lost) gets the same number: no skipped version.

@@ -137,6 +137,55 @@ class SliceSpec(_Model):
     offsets: tuple[Annotated[int, Field(ge=0, le=MAX_TENSOR_BYTES)], ...] = Field(max_length=MAX_DIMS)
 
 
+#: The largest JSON of a version's :class:`VersionMeta` (a PEFT config is ~1 KiB).
+MAX_META_BYTES = 64 << 10
+
+
+class VersionMeta(_Model):
+    """What a version is, beyond its tensors (``Hub.publish(kind=..., base_model=...,
+    config=...)``): ``kind`` ``"full"`` (a model's weights, the default) or ``"lora"`` (a
+    LoRA adapter: ``base`` names the base model it adapts, ``"<model>"`` or
+    ``"<model>@v<N>"``; ``config`` is its PEFT ``adapter_config.json`` as a dict, with at
+    least ``r``, ``lora_alpha`` and ``target_modules``). Carried on the manifest (the first
+    replica's is final, like its tensors), at most ``MAX_META_BYTES`` of JSON."""
+
+    kind: Literal["full", "lora"] = "full"
+    base: Optional[Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN, pattern=r"^[^\x00-\x1f\x7f]+$")]] = None
+    config: Optional[dict] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "VersionMeta":
+        import json
+
+        try:
+            size = len(json.dumps(self.config, allow_nan=False)) if self.config is not None else 0
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"config must be plain JSON (a PEFT adapter config): {e}") from None
+        if size > MAX_META_BYTES:
+            raise ValueError(f"config is {size} bytes of JSON; at most {MAX_META_BYTES}")
+        if self.kind == "full":
+            if self.base is not None or self.config is not None:
+                raise ValueError("base and config describe a LoRA adapter: publish it with kind='lora'")
+            return self
+        if self.base is None or self.config is None:
+            raise ValueError("kind 'lora' needs base (the base model) and config (the PEFT adapter config)")
+        missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in self.config]
+        if missing:
+            raise ValueError(f"the PEFT adapter config lacks {', '.join(missing)}")
+        r = self.config["r"]
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise ValueError(f"the PEFT adapter config's r (the rank) must be a positive int, got {r!r}")
+        alpha = self.config["lora_alpha"]
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            raise ValueError(f"the PEFT adapter config's lora_alpha must be a number, got {alpha!r}")
+        tm = self.config["target_modules"]
+        names = isinstance(tm, list) and tm and all(isinstance(m, str) for m in tm)
+        if not (isinstance(tm, str) and tm) and not names:
+            raise ValueError(f"the PEFT adapter config's target_modules must be a module name or a non-empty list of "
+                             f"them, got {tm!r}")
+        return self
+
+
 class Manifest(_Model):
     """The ordered tensors of one (model, version, layout, shard), and optionally one
     checksum per chunk of the shard's grid (``_checksum``: the publisher computes them,
@@ -151,6 +200,9 @@ class Manifest(_Model):
     checksum: Optional[Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")]] = None
     #: One unsigned 64-bit hash per chunk of ``_checksum.grid`` (in chunk order).
     checksums: Optional[list[Annotated[int, Field(ge=0, lt=1 << 64)]]] = Field(default=None, max_length=MAX_CHUNKS)
+    #: What the version is (``VersionMeta``: a LoRA adapter, its base and PEFT config); None:
+    #: full weights, and the field is left out of the JSON (peers that predate it read it as before).
+    meta: Optional[VersionMeta] = None
     slices: Optional[list[SliceSpec]] = Field(default=None, max_length=MAX_TENSORS)
 
     @model_validator(mode="after")
@@ -192,8 +244,10 @@ class Manifest(_Model):
         """A manifest of full tensors is written without ``slices``: clients and
         coordinators that predate sliced publishing (``extra="forbid"``) read it as before."""
         d = handler(self)
-        if isinstance(d, dict) and d.get("slices", 0) is None:
-            del d["slices"]
+        if isinstance(d, dict):
+            for k in ("meta", "slices"):
+                if d.get(k, 0) is None:
+                    del d[k]
         return d
 
     @property
@@ -258,6 +312,9 @@ def first_difference(a: Manifest, b: Manifest) -> Optional[str]:
             y = b.slices[i] if b.slices else None
             if x != y:
                 return f"tensor #{i} {t.name!r}: slice {_slice(y)} != registered {_slice(x)}"
+    # Meta compares only when both sides have it (a replica registered by an older client has none).
+    if a.meta is not None and b.meta is not None and a.meta != b.meta:
+        return f"meta {b.meta.model_dump_json()} != registered {a.meta.model_dump_json()}"
     # Checksums compare only when both sides have them with the same algorithm: a manifest
     # without them (an older client, a CUDA holder) or hashed otherwise is not a mismatch.
     if a.checksums is not None and b.checksums is not None and a.checksum == b.checksum:

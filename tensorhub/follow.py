@@ -12,6 +12,13 @@ group ``tensorhub.engines`` (this package's ``pyproject.toml`` registers ``vllm`
 ``sglang`` from ``integrations``); ``tensorhub`` itself imports no engine adapter. A driver
 is picked by the ``--engine`` URL's prefix (``sglang+http://...``); the one with no prefix
 (vLLM) is the default.
+
+``--lora K``: ``--model`` names LoRA adapter versions (``Hub.publish(kind="lora")``); each
+new one is loaded beside the others through the engine's LoRA API as ``<model>@v<N>``
+(the driver's :class:`LoraOps`; no pause, no swap) and only the newest ``K`` stay loaded
+(K >= the rollouts' max staleness + 1): older ones are unloaded by name. An unloaded name
+takes no new request; requests already running with it finish with it (vLLM keeps their
+adapter, reloading it from peers if it evicted it meanwhile).
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ from typing import Any, Callable, Optional, Sequence, TextIO
 from ._exceptions import ConflictError, NotFoundError
 from .config import HubConfig
 
-__all__ = ["Driver", "EngineWorker", "ProgressLine", "drivers", "engine_holds", "follow", "main", "parser", "pick", "progress_text",
-           "prefetching_workers", "wait_prefetched"]
+__all__ = ["Driver", "EngineWorker", "LoraOps", "ProgressLine", "drivers", "engine_holds", "follow", "follow_lora",
+           "main", "parser", "pick", "progress_text", "prefetching_workers", "wait_prefetched"]
 
 #: Entry-point group of engine drivers (each a :class:`Driver`).
 GROUP = "tensorhub.engines"
@@ -61,6 +68,18 @@ class ProgressLine:
 
 
 @dataclass(frozen=True)
+class LoraOps:
+    """What ``tensorhub follow --lora`` needs of an engine's LoRA API: ``load(client, model,
+    version)`` loads adapter version ``version`` as ``<model>@v<N>`` (raise ``RuntimeError``
+    naming why it failed), ``unload(client, model, version)`` drops that name, and
+    ``loaded(client, model)`` lists the versions of ``model`` loaded now."""
+
+    load: Callable[[Any, str, int], None]
+    unload: Callable[[Any, str, int], None]
+    loaded: Callable[[Any, str], list]
+
+
+@dataclass(frozen=True)
 class Driver:
     """What ``tensorhub follow`` needs of an engine (an adapter registers one).
 
@@ -78,6 +97,8 @@ class Driver:
     banner: Callable[[Any, argparse.Namespace], tuple[Optional[int], str]]
     swap: Callable[[Any, int, argparse.Namespace, Callable[[float], None]], float]
     workers: Optional[Callable[[Any], list]] = None
+    #: The engine's LoRA API, for ``--lora`` (None: the engine has none TensorHub drives).
+    lora: Optional[LoraOps] = None
 
     def base_url(self, engine: str) -> str:
         return engine.removeprefix(self.prefix).rstrip("/")
@@ -191,6 +212,10 @@ def parser(engine_help: str, modes: Sequence[str], doc: str) -> argparse.Argumen
     p.add_argument("--group-wait", type=float, default=60.0,
                    help="seconds a round waits for the group's members to be ready (from its first ready member, "
                         "or from the caller's switch)")
+    p.add_argument("--lora", type=int, default=0, metavar="K",
+                   help="--model names LoRA adapter versions: load each new one through the engine's LoRA API as "
+                        "<model>@v<N> (no pause) and keep the newest K loaded (K >= max staleness + 1); older ones "
+                        "are unloaded (requests running with them finish with them). 0: off, follow full weights")
     return p
 
 
@@ -263,7 +288,7 @@ def _engine_workers(args: argparse.Namespace, client: Any,
 
 def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tuple[Optional[int], str]],
            do_swap: Callable[[Any, int, Callable[[float], None]], float],
-           workers: Optional[Callable[[Any], list]] = None) -> int:
+           workers: Optional[Callable[[Any], list]] = None, lora: Optional[LoraOps] = None) -> int:
     """The loop: connect, then for each newer complete version ``do_swap(client, version,
     show)``, print one line per swap, and keep going after a failed one. ``banner(client)``
     returns the engine's version and the first line to print; ``workers(client)`` what the
@@ -278,6 +303,9 @@ def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tupl
     except tensorhub.TensorHubError as e:
         print(f"tensorhub follow: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "lora", 0):
+        with hub, httpx.Client(base_url=base_url, timeout=600) as client:
+            return follow_lora(args, hub, client, lora)
     swaps = 0
     line = ProgressLine(sys.stderr)
     with hub, httpx.Client(base_url=base_url, timeout=600) as client:
@@ -334,6 +362,61 @@ def follow(args: argparse.Namespace, base_url: str, banner: Callable[[Any], tupl
                 fleet.applied(v, current, True)
             print(f"v{v}: stall {stall:.3f}s, {nbytes / 1e6:.1f} MB from holders {', '.join(holders)}{waited}",
                   flush=True)
+    return 0
+
+
+def follow_lora(args: argparse.Namespace, hub: Any, client: Any, ops: Optional[LoraOps]) -> int:
+    """``--lora K``: load each new adapter version (the newest at start when none is
+    loaded), keep the newest K, unload the older ones; print one line per load and unload;
+    a failed load is said and skipped (a version's bytes never change: retrying would fail
+    the same way)."""
+    import tensorhub
+
+    k, model = args.lora, args.model
+    if ops is None:
+        print("tensorhub follow: --lora: this engine's driver drives no LoRA API", file=sys.stderr)
+        return 2
+    if k < 1:
+        print(f"tensorhub follow: --lora must be >= 1 (the adapter versions kept loaded), got {k}", file=sys.stderr)
+        return 2
+    resident = sorted(ops.loaded(client, model))
+    current: Optional[int] = resident[-1] if resident else None
+    print(f"following LoRA adapter versions of {model} for {args.engine}, keeping the newest {k} loaded "
+          f"(loaded now: {', '.join(f'v{v}' for v in resident) or 'none'})", flush=True)
+    loads = 0
+    while not args.max_swaps or loads < args.max_swaps:
+        try:
+            v = None
+            if current is None:
+                try:
+                    v = hub.latest(model)
+                except NotFoundError:  # no version yet
+                    pass
+            if v is None:
+                v = hub.wait_for_version(model, newer_than=current, timeout=60)
+        except tensorhub.HubTimeoutError:
+            continue
+        except KeyboardInterrupt:
+            return 130
+        current = v
+        nbytes, holders = _holders(hub, model, v)
+        t0 = time.monotonic()
+        try:
+            ops.load(client, model, v)
+        except RuntimeError as e:
+            print(f"v{v}: loading {model}@v{v} failed, skipped: {e}", file=sys.stderr, flush=True)
+            continue
+        loads += 1
+        resident = sorted(set(resident) | {v})
+        print(f"v{v}: loaded {model}@v{v} in {time.monotonic() - t0:.3f}s, {nbytes / 1e6:.2f} MB from holders "
+              f"{', '.join(holders)}", flush=True)
+        for old in resident[:-k]:
+            try:
+                ops.unload(client, model, old)
+                print(f"v{old}: unloaded {model}@v{old} (newest {k} kept)", flush=True)
+            except RuntimeError as e:
+                print(f"v{old}: unloading {model}@v{old} failed: {e}", file=sys.stderr, flush=True)
+        resident = resident[-k:]
     return 0
 
 
@@ -415,7 +498,8 @@ def run(driver: Driver, argv: Optional[Sequence[str]] = None) -> int:
     """Follow with ``driver`` (parses ``argv``)."""
     args = parser(driver.engine_help, driver.modes, driver.doc).parse_args(argv)
     return follow(args, driver.base_url(args.engine), lambda client: driver.banner(client, args),
-                  lambda client, v, show: driver.swap(client, v, args, show), workers=driver.workers)
+                  lambda client, v, show: driver.swap(client, v, args, show), workers=driver.workers,
+                  lora=driver.lora)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -30,7 +30,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from . import _borrow, _delta_path, _holder, _sliced, _tensors
+from . import _borrow, _delta_path, _holder, _lora, _sliced, _tensors
 from ._borrow import Borrowed
 from ._client import CoordinatorClient
 from ._exceptions import (
@@ -44,7 +44,7 @@ from ._holdings import Holdings
 from ._metrics import FetchProgress, Track, hub_metrics
 from ._session import Session
 from .config import HubConfig, parse_locality
-from ._wire import DELTA_PREFIX, LeaseGrant, Locality, TensorSpec, VersionView, is_delta_layout
+from ._wire import DELTA_PREFIX, LeaseGrant, Locality, TensorSpec, VersionMeta, VersionView, is_delta_layout
 from .transport import Transport
 
 __all__ = ["Hub", "Fetched", "connect", "parse_locality"]
@@ -164,7 +164,8 @@ class Hub:
     def publish(self, model: str, tensors: Mapping[str, Any], *, version: Optional[int] = None,
                 layout: str = "hf", shard: Optional[int] = None, num_shards: Optional[int] = None,
                 base: Optional[int] = None, base_tensors: Optional[Mapping[str, Any]] = None,
-                key: Optional[str] = None) -> int:
+                key: Optional[str] = None, kind: str = "full", base_model: Optional[str] = None,
+                config: Optional[Mapping[str, Any]] = None) -> int:
         """Register ``tensors`` in place as ``model``'s version (new when ``version`` is None).
 
         No copy: the tensors must stay unchanged until ``unpublish`` returns. With several
@@ -184,8 +185,20 @@ class Hub:
         ``tensorhub._delta_path``), which readers holding v``b`` fetch instead of the full
         bytes. The delta is registered first: the full layout, published after it, completes
         the version (a delta layout never does), so whoever waits for the version finds it. The base is this process's replica of v``b``, or ``base_tensors`` (exactly
-        v``b``'s bytes; checked against its checksums before anything is published)."""
+        v``b``'s bytes; checked against its checksums before anything is published).
+
+        LoRA adapters (``tensorhub._lora``, docs/guides/lora.md): ``kind="lora"`` with
+        ``base_model`` (``"<model>"`` or ``"<model>@v<N>"``: the model the adapter adapts;
+        not ``base=``, which names a delta's base version) and ``config`` (the PEFT adapter
+        config as a dict: ``r``, ``lora_alpha``, ``target_modules`` ...) publishes
+        ``tensors`` (PEFT names, ``<module>.lora_A.weight`` / ``lora_B``, of the config's
+        rank: checked first) as a version of ``model`` that carries them; readers get them
+        with :meth:`version_meta`. Served, checksummed and delta-capable like any version."""
         self._check_open()
+        meta = _lora.version_meta(kind, base_model, config, tensors)
+        if meta is not None and (layout != "hf" or _sliced.is_sliced(tensors) or num_shards not in (None, 1)):
+            raise ConfigError("a LoRA adapter is published whole, as layout 'hf' (one shard, no slices, no engine "
+                              "layout)")
         if _sliced.is_sliced(tensors):
             if layout != "hf" or base is not None or base_tensors is not None:
                 raise ConfigError("slices (DTensor, Slice) are published as layout 'hf', without base=")
@@ -202,10 +215,10 @@ class Hub:
             version = self._session.api.allocate_version(model, None, request_id=key)
         if base is None and base_tensors is None:
             return _holder.publish(self._session, self._holdings, self.checksum, model, tensors, version=version,
-                                   layout=layout, shard=shard, num_shards=num_shards)
+                                   layout=layout, shard=shard, num_shards=num_shards, meta=meta)
         return _delta_path.publish_with_delta(self._session, self._holdings, self.checksum, model, tensors,
                                               base, base_tensors, version=version, layout=layout, shard=shard,
-                                              num_shards=num_shards)
+                                              num_shards=num_shards, meta=meta)
 
     def unpublish(self, model: str, version: int, *, timeout: Optional[float] = None,
                   retain_on_cpu: Optional[bool] = None) -> None:
@@ -438,6 +451,20 @@ class Hub:
             return self.api.version(model, version)
         except NotFoundError:
             return None
+
+    def version_meta(self, model: str, version: int) -> Optional[VersionMeta]:
+        """What ``model`` v``version`` is, as its publisher said (``VersionMeta``: ``kind``
+        ``"lora"``, ``base``, ``config``); None for full weights (and for versions published
+        by clients that predate it). Raises ``NotFoundError`` for an unknown version."""
+        self._check_open()
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ConfigError(f"version must be a positive int, got {version!r}")
+        try:
+            return self._session.manifest(model, version, "hf", 0).meta
+        except NotFoundError as e:
+            if e.code != "unknown_layout":
+                raise
+            return None  # published as slices: full weights
 
     def manifest(self, model: str, version: int, *, layout: str = "hf", shard: int = 0) -> list[TensorSpec]:
         """The tensors of ``model`` v``version`` (``layout``, ``shard``) in their order: each

@@ -18,7 +18,7 @@ def test_public_api_is_locked():
         "HubClosedError", "HubTimeoutError", "CoordinatorError", "UnauthorizedError", "NotFoundError",
         "ConflictError", "ManifestMismatchError", "RetentionError", "InvalidRequestError",
         "CoordinatorUnavailableError", "TensorMismatchError", "TransferError", "FetchError",
-        "LeaseLapsedError", "__version__", "FetchProgress", "start_metrics_server", "Slice",
+        "LeaseLapsedError", "__version__", "FetchProgress", "start_metrics_server", "Slice", "VersionMeta",
     ])
     for name in tensorhub.__all__:
         assert hasattr(tensorhub, name), name

@@ -19,7 +19,8 @@ On engines that use either, it also hooks vLLM's engine core (:mod:`._engine_cor
 prefix/KV cache is reset and the weight-version label set at every swap) and stamps the
 OpenAI server's completions with the weight version that produced them
 (:mod:`.stamps`: header ``X-TensorHub-Weight-Version``, ``system_fingerprint``,
-per-choice ``weight_versions``).
+per-choice ``weight_versions``), and lets vLLM's LoRA API load adapter versions from peers
+(:mod:`.lora`: LoRA path ``tensorhub://<model>/<N>``, named ``<model>@v<N>``).
 
 Importing this package imports no vLLM; :func:`register` does.
 """
@@ -52,6 +53,9 @@ def register() -> None:
 
     _engine_core.install()  # acts only on engines with TensorHub's loader or backend
     stamps.install_server_hook()  # only where the OpenAI server's launcher is loaded
+    from . import lora
+
+    lora.install()  # LoRA paths tensorhub://<model>/<N> (acts only on such paths)
 
 
 def _share_vllm_logging() -> None:

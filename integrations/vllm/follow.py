@@ -11,6 +11,14 @@ sources of the engine's fetch. A failed swap is printed, the engine resumed on i
 version, and following goes on. The server must run with ``VLLM_SERVER_DEV_MODE=1`` and
 ``--weight-transfer-config '{"backend": "tensorhub"}'``.
 
+``--lora K`` (LoRA adapter versions, :mod:`.lora`): each new version is loaded with
+``POST /v1/load_lora_adapter`` (name ``<model>@v<N>``, path ``tensorhub://<model>/<N>``)
+and the ones older than the newest K are dropped with ``/v1/unload_lora_adapter``: vLLM's
+server then takes no new request for that name, and requests already running with it
+finish with it (their LoRA request travels with them; the worker keeps the adapter in its
+LoRA cache and, had it evicted it, reads it again from peers). The server must run with
+``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; no dev mode, no pause.
+
 At start it asks the engine for its TensorHub workers (dev route ``/collective_rpc``, method
 ``weight_transfer_engine``: each worker's id, model and whether it prefetches); with
 ``prefetch`` on (the default) each swap first waits until the engine holds the new
@@ -25,9 +33,11 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from tensorhub.follow import Driver, run
+from tensorhub.follow import Driver, LoraOps, run
 
-__all__ = ["DRIVER", "main", "swap", "engine_version", "engine_workers"]
+from .lora import lora_name, lora_path
+
+__all__ = ["DRIVER", "main", "swap", "engine_version", "engine_workers", "LORA"]
 
 
 def _post(client, path: str, **kw) -> None:
@@ -95,6 +105,29 @@ def _watching(fn: Callable[[], None], tick: Callable[[], None], every: float = 1
         raise err[0]
 
 
+def _lora_load(client, model: str, version: int) -> None:
+    _post(client, "/v1/load_lora_adapter", json={"lora_name": lora_name(model, version),
+                                                 "lora_path": lora_path(model, version)})
+
+
+def _lora_unload(client, model: str, version: int) -> None:
+    _post(client, "/v1/unload_lora_adapter", json={"lora_name": lora_name(model, version)})
+
+
+def _lora_loaded(client, model: str) -> list:
+    """Versions of ``model`` the server has loaded as ``<model>@v<N>`` (``/v1/models``)."""
+    r = client.get("/v1/models")
+    if r.status_code >= 400:
+        raise RuntimeError(f"/v1/models answered {r.status_code}: {r.text[:300]}")
+    prefix = f"{model}@v"
+    ids = [m.get("id", "") for m in r.json().get("data", [])]
+    return sorted(int(i[len(prefix):]) for i in ids if i.startswith(prefix) and i[len(prefix):].isdigit())
+
+
+#: vLLM's LoRA API for ``tensorhub follow --lora K``.
+LORA = LoraOps(_lora_load, _lora_unload, _lora_loaded)
+
+
 def _banner(client: Any, args: argparse.Namespace) -> tuple[Optional[int], str]:
     current = engine_version(client)
     return current, f"following {args.model} for {args.engine} (engine at v{current})"
@@ -102,7 +135,8 @@ def _banner(client: Any, args: argparse.Namespace) -> tuple[Optional[int], str]:
 
 #: The ``tensorhub follow`` driver (entry point ``tensorhub.engines: vllm``).
 DRIVER = Driver("vllm", "", "vLLM server URL, e.g. http://127.0.0.1:8000", ("abort", "wait", "keep"), __doc__,
-                _banner, lambda client, v, args, show: swap(client, v, args.mode, on_wait=show), engine_workers)
+                _banner, lambda client, v, args, show: swap(client, v, args.mode, on_wait=show), engine_workers,
+                LORA)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
