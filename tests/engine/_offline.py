@@ -3,8 +3,10 @@
 Started by the engine tests as ``python _offline.py '<LLM kwargs as JSON>'``; answers
 ``{"ready": true}`` once the engine is up (or ``{"error": ...}`` and exits), then runs
 commands: ``generate``, ``start_weight_update``, ``update_weights``,
-``finish_weight_update``, ``weight_version``, ``exit``. Each answer is ``{"ok": result}``
-or ``{"error": "Type: message"}``. vLLM's own logs go to stderr.
+``finish_weight_update``, ``weight_version``, ``reload_weights`` (vLLM's own loader reads
+the weight files of directory ``path`` into the running model, then the prefix cache is
+dropped), ``exit``. Each answer is ``{"ok": result}`` or ``{"error": "Type: message"}``.
+vLLM's own logs go to stderr.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def main() -> None:
                 result = llm.update_weights({"update_info": cmd["update_info"]})
             elif op == "finish_weight_update":
                 result = llm.finish_weight_update(weight_version=cmd.get("weight_version"))
+            elif op == "reload_weights":
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": cmd["path"]})
+                result = llm.reset_prefix_cache()
             elif op == "weight_version":
                 result = llm.get_weight_version()
             elif op == "exit":

@@ -175,8 +175,12 @@ def test_demo_ctrl_c_midway_leaves_nothing(tmp_path):
     t.start()
     try:
         assert seen.wait(300), "".join(lines)[-4000:]
-        time.sleep(5)  # engine-a serving, engine-b's vLLM processes starting up
+        # engine-a serving, engine-b's vLLM processes starting up: wait until they are there
+        deadline = time.monotonic() + 30
         running = _marked(mark, proc.pid)
+        while len(running) < 6 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            running = _marked(mark, proc.pid)
         assert len(running) >= 6, running  # demo, trainer, two servers, their engine cores
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
         rc = proc.wait(90)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from _engines import Coordinator, OfflineEngine, require_vllm
+from _engines import Coordinator, OfflineEngine, reference_outputs, require_vllm
 from _tiny import PROMPTS, make_model_dir, make_weights
 
 pytestmark = pytest.mark.engine
@@ -66,11 +66,8 @@ def _prefetched(trainer, a: OfflineEngine, worker: str, v: int, timeout: float =
 
 
 def _reference(tmp, name: str, weights: dict) -> dict:
-    c = OfflineEngine(tmp / f"{name}.log", model=str(_save_dir(tmp / name, weights)))
-    try:
-        return c.call("generate", prompts=PROMPTS)
-    finally:
-        c.close()
+    """What a fresh engine answers on ``weights`` saved as weight files (one shared engine)."""
+    return reference_outputs(_save_dir(tmp / name, weights), PROMPTS)
 
 
 def test_vllm_swaps_through_a_delta_and_falls_back_on_a_bad_one(tmp_path, monkeypatch):

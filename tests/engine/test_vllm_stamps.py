@@ -19,12 +19,11 @@ with the old weights, and the output after the swap would differ from a fresh en
 from __future__ import annotations
 
 import json
-import sys
 
 import httpx
 import pytest
 
-from _engines import HERE, OfflineEngine, ServerEngine, engine_env, require_vllm
+from _engines import OfflineEngine, ServerEngine, require_vllm
 from _tiny import make_model_dir, make_weights
 
 pytestmark = pytest.mark.engine
@@ -39,18 +38,7 @@ class ProbeEngine(OfflineEngine):
     """``vllm.LLM`` in a child process (``_offline_probe.py``: generate also answers the
     prefix-cache hits and ``weight_versions`` of each output)."""
 
-    def __init__(self, log, env=None, **llm_kwargs) -> None:
-        import subprocess
-
-        from _engines import COMMON
-
-        self.log_path = log
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "_offline_probe.py"),
-                                      json.dumps({**COMMON, **llm_kwargs})],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env=engine_env(env), cwd=str(HERE))
-        self._read(240)
+    script = "_offline_probe.py"
 
 
 def _complete(engine: ServerEngine, prompt, max_tokens: int = 8, **extra) -> httpx.Response:

@@ -8,9 +8,11 @@ gloo process group with SGLang's parallel state, ``ModelConfig.from_server_args`
 ``LlamaForCausalLM``. No CUDA, no HTTP server, no scheduler loop.
 
 Answers ``@@{"ready": {...}}`` (or ``@@{"error": ...}`` and exits), then runs commands:
-``digest``, ``specs``, ``update`` (SGLang's ``WeightUpdater`` begin / update_weights_from_tensor
-/ end with our pull function), ``held``, ``seed_info`` / ``seed_read`` (SGLang's
-``remote_instance`` transfer-engine client against a seed URL), ``exit``.
+``digest``, ``reload`` (the loader of the start reads the weight files of directory
+``path`` into the model: a shared reference worker between answers), ``specs``, ``update``
+(SGLang's ``WeightUpdater`` begin / update_weights_from_tensor / end with our pull
+function), ``held``, ``seed_info`` / ``seed_read`` (SGLang's ``remote_instance``
+transfer-engine client against a seed URL), ``exit``.
 """
 
 from __future__ import annotations
@@ -94,15 +96,21 @@ def main() -> None:
             if op == "exit":
                 _answer({"ok": None})
                 return
-            _answer({"ok": run(op, cmd, mc, model)})
+            _answer({"ok": run(op, cmd, mc, model, loader)})
         except BaseException as e:
             traceback.print_exc()
             _answer({"error": f"{type(e).__name__}: {e}"})
 
 
-def run(op: str, cmd: dict, mc, model):
+def run(op: str, cmd: dict, mc, model, loader):
     if op == "digest":
         return _digest(model)
+    if op == "reload":  # the loader this worker started with reads another directory's weight files
+        import torch
+
+        mc.model_path = cmd["path"]
+        loader.load_weights_and_postprocess(model, loader._get_all_weights(mc, model), torch.device("cpu"))
+        return None
     if op == "specs":
         return {n: [p.numel(), p.element_size()] for n, p in model.named_parameters()}
     if op == "held":

@@ -1,52 +1,39 @@
 """Helpers for the SGLang adapter tests: SGLang worker processes (see _sgl_worker.py), a
-tiny-Llama trainer that publishes HF weights, and the CI rule for a missing SGLang.
+tiny-Llama trainer that publishes HF weights, and the CI rule for a missing SGLang; the
+parts the vLLM tests share live in tests/engine/_children.py.
 
-Without SGLang these tests skip, except in CI (``CI`` set), where they fail: a skipped
-adapter suite must never count as a pass there.
+Without SGLang these tests skip, except in CI (``CI`` set and not false), where they fail:
+a skipped adapter suite must never count as a pass there.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import atexit
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Optional
-
-import pytest
+from typing import Optional
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 ENGINE = ROOT / "tests" / "engine"  # the tiny Llama (_tiny.py) the vLLM tests use
 if str(ENGINE) not in sys.path:
     sys.path.append(str(ENGINE))
+from _children import ChildError, LineChild, PublisherProcess, child_env, files_digest, require  # noqa: E402
+
 ENV = {"GLOG_minloglevel": "2", "TOKENIZERS_PARALLELISM": "false", "TENSORHUB_HEARTBEAT_INTERVAL": "0.5",
        "SGLANG_PLUGINS": "tensorhub", "OMP_NUM_THREADS": "1"}
 
 
-def _sglang_missing() -> Optional[str]:
-    if importlib.util.find_spec("sglang") is None:
-        return "sglang is not installed (scripts/setup.sh installs sglang==0.5.23 --no-deps for CPU tests)"
-    return None
-
-
 def require_sglang() -> None:
     """Skip (fail in CI) when SGLang cannot be imported."""
-    why = _sglang_missing()
-    if why is None:
-        return
-    if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-        pytest.fail(f"SGLang adapter tests need sglang in CI: {why}")
-    pytest.skip(why)
+    require("sglang", "sglang is not installed (scripts/setup.sh installs sglang==0.5.23 --no-deps for CPU tests)",
+            "SGLang adapter tests")
 
 
 def env(extra: Optional[dict] = None) -> dict:
-    e = {**os.environ, **ENV, **(extra or {})}
-    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ENGINE), e.get("PYTHONPATH")]))
-    return e
+    return child_env(ENV, extra, paths=(ENGINE,))
 
 
 def run_py(code: str, timeout: float = 300, extra_env: Optional[dict] = None) -> subprocess.CompletedProcess:
@@ -55,88 +42,73 @@ def run_py(code: str, timeout: float = 300, extra_env: Optional[dict] = None) ->
                           env=env({"PYTHONPATH": str(HERE), **(extra_env or {})}), cwd=str(HERE))
 
 
-class SGLangError(Exception):
+class SGLangError(ChildError):
     pass
 
 
-class SGLangWorker:
+class SGLangWorker(LineChild):
     """``_sgl_worker.py`` in a child process: a real SGLang model on CPU."""
+
+    error, what = SGLangError, "worker"
 
     def __init__(self, log: Path, model_dir: Path, load_format: str, extra: Optional[dict] = None,
                  timeout: float = 300) -> None:
-        self.log_path = log
-        self._log = open(log, "w")
         cfg = {"model_dir": str(model_dir), "load_format": load_format, "extra": extra or {}}
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "_sgl_worker.py"), json.dumps(cfg)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env=env(), cwd=str(HERE))
-        msg = self._read(timeout)
-        if "error" in msg:
-            self.close()
-            raise SGLangError(msg["error"])
-        self.ready = msg["ready"]
+        super().__init__(log, [sys.executable, str(HERE / "_sgl_worker.py"), json.dumps(cfg)], env(), HERE,
+                         timeout=timeout, call_timeout=300)
+        self.ready = self.first["ready"]
 
-    def _read(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise SGLangError(f"worker exited (rc {self.proc.poll()}); log {self.log_path}:\n{self.log_tail()}")
-            if line.startswith("@@"):
-                return json.loads(line[2:])
-            self._log.write(line)
-        raise SGLangError("worker did not answer in time")
 
-    def call(self, op: str, timeout: float = 300, **kw: Any) -> Any:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        msg = self._read(timeout)
-        if "error" in msg:
-            raise SGLangError(msg["error"])
-        return msg["ok"]
+class _References:
+    """Parameter digests of SGLang's own default loader (``auto``) on a model directory's
+    weight files, without a worker start each time: one ``auto`` worker per model config
+    serves the test process; it starts on the first directory asked about and reads each
+    later one's weight files in place with the same loader (``reload``). Answers are kept by
+    the files' digest, so the same bytes are loaded once. The workers are closed when the test
+    process exits (``atexit``)."""
 
-    def log_tail(self, n: int = 4000) -> str:
-        self._log.flush()
-        return self.log_path.read_text()[-n:]
+    def __init__(self) -> None:
+        self.workers: dict[str, SGLangWorker] = {}  # config.json text -> worker
+        self.loaded: dict[str, str] = {}  # config.json text -> files digest loaded now
+        self.answers: dict[str, dict] = {}
+
+    def digest(self, model_dir: Path) -> dict:
+        model_dir = Path(model_dir)
+        config, key = (model_dir / "config.json").read_text(), files_digest(model_dir)
+        if key not in self.answers:
+            w = self.workers.get(config)
+            if w is None or w.proc.poll() is not None:
+                if not self.workers:
+                    atexit.register(self.close)
+                w = self.workers[config] = SGLangWorker(model_dir / "reference.log", model_dir, "auto")
+            elif self.loaded[config] != key:
+                w.call("reload", path=str(model_dir))
+            self.loaded[config] = key
+            self.answers[key] = w.call("digest")
+        return dict(self.answers[key])
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call("exit", timeout=30)
-                self.proc.wait(30)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait(30)
-        self._log.close()
+        for w in self.workers.values():
+            w.close()
+        self.workers.clear()
 
 
-_PUBLISHER = r"""
-import sys, time
-import tensorhub
-from _tiny import make_weights
-hub = tensorhub.connect(sys.argv[1], worker_id=sys.argv[3])
-print("@@", hub.publish("policy", make_weights(int(sys.argv[2]))), flush=True)
-time.sleep(3600)
-"""
+_REFERENCES = _References()
 
 
-class Trainer:
+def reference_digest(model_dir: Path) -> dict:
+    """Parameter digests of SGLang's own default loader on ``model_dir``'s weight files: what
+    ``SGLangWorker(log, model_dir, "auto").call("digest")`` answers, from one worker shared by
+    the test process (_References)."""
+    return _REFERENCES.digest(model_dir)
+
+
+class Trainer(PublisherProcess):
     """A process that publishes the tiny Llama's HF weights of ``seed`` as a new version of
     ``policy`` and holds them until killed."""
 
     def __init__(self, url: str, seed: int, worker_id: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _PUBLISHER, url, str(seed), worker_id],
-                                     stdout=subprocess.PIPE, text=True, env=env())
-        line = self.proc.stdout.readline()
-        if not line.startswith("@@"):
-            self.kill()
-            raise RuntimeError(f"trainer failed: {line!r}")
-        self.version = int(line.split()[1])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
+        super().__init__(url, seed, worker_id, env())
 
 
 def status(url: str) -> dict:

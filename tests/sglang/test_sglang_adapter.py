@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from _sglang_procs import SGLangError, SGLangWorker, Trainer, replicas, require_sglang, run_py
+from _sglang_procs import SGLangError, SGLangWorker, Trainer, reference_digest, replicas, require_sglang, run_py
 
 pytestmark = [pytest.mark.engine, pytest.mark.multiprocess]
 
@@ -123,12 +123,7 @@ def _ref(env, seed: int) -> dict:
     if seed not in env["refs"]:
         from _tiny import make_model_dir
 
-        d = make_model_dir(env["tmp"] / f"disk{seed}", seed=seed)
-        w = SGLangWorker(env["tmp"] / f"ref{seed}.log", d, "auto")
-        try:
-            env["refs"][seed] = w.call("digest")
-        finally:
-            w.close()
+        env["refs"][seed] = reference_digest(make_model_dir(env["tmp"] / f"disk{seed}", seed=seed))
     return env["refs"][seed]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from _sglang_procs import SGLangWorker, require_sglang
+from _sglang_procs import SGLangWorker, reference_digest, require_sglang
 
 pytestmark = [pytest.mark.engine, pytest.mark.multiprocess]
 
@@ -53,11 +53,7 @@ def _ref(tmp, name: str, weights: dict) -> dict:
 
     d = make_model_dir(tmp / name, weights=False)
     save_file(weights, str(d / "model.safetensors"))
-    w = SGLangWorker(tmp / f"{name}.log", d, "auto")
-    try:
-        return w.call("digest")
-    finally:
-        w.close()
+    return reference_digest(d)
 
 
 def _update(w: SGLangWorker, v: int) -> None:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from _sglang_procs import SGLangWorker, Trainer, require_sglang
+from _sglang_procs import SGLangWorker, Trainer, reference_digest, require_sglang
 
 pytestmark = [pytest.mark.engine, pytest.mark.multiprocess]
 
@@ -42,10 +42,7 @@ def test_sglang_starts_in_place_from_a_same_host_trainer_then_serves_its_own_cop
         for k, t in w1.items():
             snap[k].copy_(t)
         v1 = trainer.publish("policy", snap)
-        ref = SGLangWorker(tmp_path / "ref1.log", make_model_dir(tmp_path / "disk1", seed=1), "auto")
-        workers.append(ref)
-        want = ref.call("digest")
-        ref.close()
+        want = reference_digest(make_model_dir(tmp_path / "disk1", seed=1))
 
         eng = SGLangWorker(tmp_path / "eng.log", make_model_dir(tmp_path / "cfg", seed=0, weights=False),
                            "tensorhub", {"coordinator": url, "model": "policy", "drain_timeout": 3,
@@ -80,9 +77,7 @@ def test_sglang_starts_in_place_from_a_same_host_trainer_then_serves_its_own_cop
         from integrations.sglang.pull import payload
 
         assert eng.call("update", payload=payload(t2.version)) == {"success": True, "message": "Success"}
-        ref2 = SGLangWorker(tmp_path / "ref2.log", make_model_dir(tmp_path / "disk2", seed=2), "auto")
-        workers.append(ref2)
-        assert eng.call("digest") == ref2.call("digest")
+        assert eng.call("digest") == reference_digest(make_model_dir(tmp_path / "disk2", seed=2))
         assert {h[1] for h in eng.call("held")["held"]} == {t2.version}
     finally:
         for w in workers:
