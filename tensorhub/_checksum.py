@@ -252,9 +252,10 @@ class Verifier:
         got = _hash_chunk(self.algo, self.chunks[c], self.data) if digest is None else digest
         self.seconds += time.perf_counter() - t0
         self.nbytes += sum(p[2] for p in self.chunks[c])
-        if got == want:
-            return None
-        return f"checksum mismatch on chunk {c}: {self.algo} {got:#x}, the manifest says {want:#x}"
+        return None if got == want else self._mismatch(c, got)
+
+    def _mismatch(self, c: int, got: int) -> str:
+        return f"checksum mismatch on chunk {c}: {self.algo} {got:#x}, the manifest says {self.expected[c]:#x}"
 
 
     def first_mismatch(self, threads: int = 2) -> Optional[str]:
@@ -271,10 +272,7 @@ class Verifier:
             got = list(pool.map(lambda c: _hash_chunk(self.algo, self.chunks[c], self.data), todo))
         self.seconds += time.perf_counter() - t0
         self.nbytes += sum(p[2] for c in todo for p in self.chunks[c])
-        for c, h in zip(todo, got):
-            if h != self.expected[c]:
-                return f"checksum mismatch on chunk {c}: {self.algo} {h:#x}, the manifest says {self.expected[c]:#x}"
-        return None
+        return next((self._mismatch(c, h) for c, h in zip(todo, got) if h != self.expected[c]), None)
 
 
 def verifier(manifest: Any, into: Mapping[str, Any], mode: str,

@@ -170,6 +170,16 @@ class ServerEngine:
         self._log.close()
 
 
+def close_fixture(f: dict, coord: "Coordinator") -> None:
+    """A module fixture's teardown: its engines (``f["engines"]``), its trainer Hub
+    (``f["trainer"]``, if made), then its coordinator."""
+    for e in f["engines"]:
+        e.close()
+    if "trainer" in f:
+        f["trainer"].close()
+    coord.stop()
+
+
 class _References:
     """The outputs a fresh engine gives on a model directory's weight files, without a fresh
     engine each time (a start costs ~35 s here).

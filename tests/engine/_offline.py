@@ -20,9 +20,24 @@ def _answer(obj: dict) -> None:
     sys.stdout.flush()
 
 
-def main() -> None:
+def generate(llm, cmd: dict):
+    """``generate``'s answer: greedy token ids and text per prompt."""
+    outs = _greedy(llm, cmd)
+    return {"ids": [list(o.outputs[0].token_ids) for o in outs], "text": [o.outputs[0].text for o in outs]}
+
+
+def _greedy(llm, cmd: dict):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True)
+    return llm.generate(cmd["prompts"], sp, use_tqdm=False)
+
+
+def main(answer_generate=generate) -> None:
+    """The loop; ``answer_generate(llm, cmd)`` builds ``generate``'s answer (a probe script
+    passes its own, ``_offline_probe.py``)."""
     kwargs = json.loads(sys.argv[1])
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     try:
         llm = LLM(**kwargs)
@@ -35,10 +50,7 @@ def main() -> None:
         op = cmd.pop("op")
         try:
             if op == "generate":
-                sp = SamplingParams(temperature=0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True)
-                outs = llm.generate(cmd["prompts"], sp, use_tqdm=False)
-                result = {"ids": [list(o.outputs[0].token_ids) for o in outs],
-                          "text": [o.outputs[0].text for o in outs]}
+                result = answer_generate(llm, cmd)
             elif op == "init_weight_transfer_engine":
                 result = llm.init_weight_transfer_engine({"init_info": cmd.get("init_info", {})})
             elif op == "start_weight_update":

@@ -28,7 +28,8 @@ import sys
 
 import pytest
 
-from _engines import Coordinator, OfflineEngine, Publisher, ServerEngine, reference_outputs, require_vllm
+from _engines import (Coordinator, OfflineEngine, Publisher, ServerEngine, close_fixture, reference_outputs,
+                      require_vllm)
 from _tiny import PROMPTS, make_model_dir, make_weights
 
 pytestmark = pytest.mark.engine
@@ -108,11 +109,7 @@ def fleet(tmp_path_factory):
         f["trainer"] = tensorhub.connect(coord.url, worker_id="trainer")
         yield f
     finally:
-        for e in f["engines"]:
-            e.close()
-        if "trainer" in f:
-            f["trainer"].close()
-        coord.stop()
+        close_fixture(f, coord)
 
 
 def test_cold_start_from_peers(fleet):

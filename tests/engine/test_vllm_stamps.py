@@ -23,7 +23,7 @@ import json
 import httpx
 import pytest
 
-from _engines import OfflineEngine, ServerEngine, require_vllm
+from _engines import OfflineEngine, ServerEngine, close_fixture, require_vllm
 from _tiny import make_model_dir, make_weights
 
 pytestmark = pytest.mark.engine
@@ -101,11 +101,7 @@ def fleet(tmp_path_factory):
         f["r"] = r
         yield f
     finally:
-        for e in f["engines"]:
-            e.close()
-        if "trainer" in f:
-            f["trainer"].close()
-        coord.stop()
+        close_fixture(f, coord)
 
 
 def test_completions_carry_the_version_loaded_at_start(fleet):
