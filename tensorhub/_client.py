@@ -345,9 +345,14 @@ class CoordinatorClient:
             "worker_id": worker_id, "chunks": list(chunks), "lease_ids": list(lease_ids),
             "coming": list(coming)}, **kw)).held
 
-    def acquire_lease(self, body: Mapping[str, Any], **kw: Any) -> LeaseGrant:
-        """A lease (``body``: the ``AcquireLease`` fields)."""
-        return LeaseGrant.model_validate(self.post("/v1/leases", dict(body), **kw))
+    def acquire_lease(self, body: Mapping[str, Any], *, wait: Optional[float] = None, **kw: Any) -> LeaseGrant:
+        """A lease (``body``: the ``AcquireLease`` fields). Asked ahead (``ahead``), held up to
+        ``wait`` seconds: None when no version came meanwhile (ask again, same request id)."""
+        if wait is None:
+            return LeaseGrant.model_validate(self.post("/v1/leases", dict(body), **kw))
+        kw.setdefault("timeout", wait + 30.0)
+        answer = self.post("/v1/leases", dict(body), params={"wait": wait}, **kw)
+        return None if answer.get("pending") else LeaseGrant.model_validate(answer)  # type: ignore[return-value]
 
     def renew_lease(self, lease_id: str, **kw: Any) -> float:
         return Renewed.model_validate(self.post(f"/v1/leases/{lease_id}/renew", **kw)).ttl

@@ -83,6 +83,59 @@ class _Watch:
                     fut.set_result(None)
 
 
+class Subscribers:
+    """Held ``POST /v1/leases?wait=`` requests asked ahead (``_ahead``), by (worker id,
+    request id). ``deliver`` gets the grants a completed version bound (in plan order),
+    encodes every answer first and then wakes the requests in that order: each woken
+    request only sends its bytes. ``deliver`` may be called from any thread."""
+
+    def __init__(self) -> None:
+        #: (worker id, request id) -> (its future, when the request arrived: ``time.monotonic()``)
+        self._waiters: dict[tuple[str, str], tuple[asyncio.Future, float]] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.delivered = 0
+
+    def register(self, worker_id: str, request_id: str, arrived: float) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        fut = loop.create_future()
+        old = self._waiters.get((worker_id, request_id))
+        if old is not None and not old[0].done():
+            old[0].set_result(None)  # (the same poll asked again: the older one answers "pending")
+        self._waiters[(worker_id, request_id)] = (fut, arrived)
+        return fut
+
+    def forget(self, worker_id: str, request_id: str, fut: asyncio.Future) -> None:
+        hit = self._waiters.get((worker_id, request_id))
+        if hit is not None and hit[0] is fut:
+            del self._waiters[(worker_id, request_id)]
+
+    def deliver(self, bound: list, encode: Callable[[Any], bytes], at: float) -> None:
+        """``bound``: (worker id, request id, grant or CoordinatorError), granted at ``at``
+        (``time.monotonic()``, read before): each grant says how long after its request
+        arrived it was granted (``LeaseGrant.granted_after``: the reader's lease clock). A
+        request between two polls finds its grant when it asks again."""
+        waiters = dict(self._waiters)  # (a snapshot: the loop may change it meanwhile)
+        answers = []
+        for w, r, x in bound:
+            hit = waiters.get((w, r))
+            if hit is None:
+                continue
+            if not isinstance(x, CoordinatorError):
+                x = encode(x.model_copy(update={"granted_after": max(0.0, at - hit[1])}))
+            answers.append((w, r, x))
+        loop = self._loop
+        if answers and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, answers)
+
+    def _wake(self, answers: list) -> None:
+        for w, r, x in answers:
+            fut = self._waiters.pop((w, r), (None, 0.0))[0]
+            if fut is not None and not fut.done():
+                fut.set_result(x)
+                self.delivered += 1
+
+
 class Coordinator:
     """State machine + durable store + lock + clock: what the HTTP routes call.
 
@@ -100,6 +153,8 @@ class Coordinator:
         self.lock = threading.Lock()
         #: ``latest?wait=`` requests, woken when their model's newest version changes.
         self.watch = _Watch()
+        #: Leases asked ahead, woken with their answers when their version completes.
+        self.subscribers = Subscribers()
         #: ``GET .../manifest`` answers, encoded once per shard (``_manifest_cache``); a
         #: retired version's entries are dropped when its retirement is applied.
         self.manifests = ManifestCache()
@@ -211,6 +266,13 @@ class Coordinator:
                 completed = self.state.catalog.take_completed()
                 if completed:
                     self.watch.notify(completed)
+                    if self.state.ahead:  # leases asked ahead: answered in the same call
+                        try:
+                            at = time.monotonic()
+                            self.subscribers.deliver(self.state.bind_ahead(self.clock(), completed),
+                                                     self.lease_answers.encode, at)
+                        except Exception:  # (never fails the publish; the polls ask again)
+                            logger.exception("answering the leases asked ahead of %s failed", sorted(completed))
                 writes = self.state.take_writes()
                 if writes:
                     self._seq += 1

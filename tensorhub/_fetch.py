@@ -32,7 +32,7 @@ from typing import Any, Mapping, Optional
 
 from ._checksum import verifier
 from ._exceptions import (
-    ConflictError, FetchError, LeaseLapsedError, NotFoundError, TensorHubError, TensorMismatchError,
+    ConflictError, FetchError, HubTimeoutError, LeaseLapsedError, NotFoundError, TensorHubError, TensorMismatchError,
 )
 from ._fencing import LeaseClock, renew_leases
 from ._chunkmap import ChunkMap
@@ -45,9 +45,9 @@ from ._reader import ShardReader, Source
 from ._retry import jittered, next_delay
 from ._session import Session
 from ._tensors import allocate_like, check_into, coalesce
-from ._wire import LeaseGrant, Manifest
+from ._wire import LeaseGrant, Manifest, shape_digest
 
-__all__ = ["Fetch", "FetchOptions", "Fetched", "PlainSources", "PipelinedSources", "QUARANTINE",
+__all__ = ["AHEAD_POLL", "Ahead", "NoNewVersion", "Reshaped", "Fetch", "FetchOptions", "Fetched", "PlainSources", "PipelinedSources", "QUARANTINE",
            "acquire_lease", "release_lease", "release_checked", "select"]
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def acquire_lease(session: Session, model: str, version: int, layout: str, shard
             if grant.version != version:
                 raise FetchError(f"asked for {model!r} v{version} but the lease is for v{grant.version}")
             if clock is not None:
-                clock.granted(grant.lease_id, sent, grant.ttl)
+                clock.granted(grant.lease_id, sent + grant.granted_after, grant.ttl)
             return grant
         except ConflictError as e:
             if e.code != "no_replica" or time.monotonic() + delay > deadline:
@@ -259,18 +259,32 @@ class PipelinedSources(PlainSources):
     def _acquire(self, excluded: set[str], wait: bool) -> Optional[LeaseGrant]:
         f, offer = self.f, self.offer
         delay = 0.05
+        ahead = f.ahead if self.cur is None and offer is not None else None
+        rid = secrets.token_hex(12)  # (asked ahead: every poll is the same request)
         while True:
             body: dict[str, Any] = {"worker_id": f.session.worker_id, "model": f.model, "version": f.version,
                                     "layout": f.layout, "shard": f.shard, "max_sources": f.opts.max_sources,
                                     "exclude": sorted(excluded)[:1024], "pipelined": True, "lease_id": self.cur,
                                     "manifest": False}
             if self.cur is None:
-                body["request_id"] = secrets.token_hex(12)  # a retried request gets the same lease
+                body["request_id"] = rid  # a retried request gets the same lease
                 if offer is not None:
                     body["serve"] = offer
+                if ahead is None:
+                    rid = secrets.token_hex(12)
             sent = time.monotonic()
             try:
-                g = f.session.lease(body)
+                if ahead is not None:  # held until a version >= f.version is published
+                    left = ahead.until - time.monotonic()
+                    if left <= 0:
+                        raise NoNewVersion(f"no version of {f.model!r} newer than v{f.version - 1} was published "
+                                           f"within {ahead.wait:g}s")
+                    sent = time.monotonic()
+                    g = f.session.lease(dict(body, ahead=True), wait=round(min(left, AHEAD_POLL), 3))
+                    if g is None:
+                        continue
+                else:
+                    g = f.session.lease(body)
             except ConflictError as e:
                 if e.code == "lease_lapsed" and self.cur is not None:
                     self.cur = None  # its chunks are re-read after release says so
@@ -284,11 +298,11 @@ class PipelinedSources(PlainSources):
                 time.sleep(jittered(delay))
                 delay = next_delay(delay)
                 continue
-            if g.version != f.version:
+            if g.version != f.version and not (ahead is not None and g.version > f.version):
                 raise FetchError(f"asked for {f.model!r} v{f.version} but the lease is for v{g.version}")
             if g.lease_id not in f.leases:
                 f.leases.append(g.lease_id)
-            f.trust.granted(g.lease_id, sent, g.ttl)
+            f.trust.granted(g.lease_id, sent + g.granted_after, g.ttl)
             self.cur = g.lease_id
             return g
 
@@ -308,7 +322,8 @@ class PipelinedSources(PlainSources):
         assert f.held is not None and m is not None
         f.held.chunkmap = m
         f.held.extra.append(m)
-        offer = {"manifest_digest": f.session.digest(f.manifest), **f.session.addresses_of(f.held),
+        digest = shape_digest(f.manifest) if f.ahead is not None else f.session.digest(f.manifest)
+        offer = {"manifest_digest": digest, **f.session.addresses_of(f.held),
                  "chunk_bytes": self.grid, "num_chunks": len(r.chunks), "status_addr": m.addr, "status_tag": m.tag}
         self.offer = offer  # asked with the new lease (not with refreshes)
         try:
@@ -456,14 +471,46 @@ def withdraw(session: Session, model: str, version: int, replica_id: str, until:
 
 
 # ---------------------------------------------------------------------- the fetch
+#: Seconds one held poll of a lease asked ahead lasts (then it is asked again, keeping its place).
+AHEAD_POLL = 30.0
+
+
+class NoNewVersion(HubTimeoutError):
+    """Asked ahead (``Ahead``): no newer version was published within the wait."""
+
+
+class Reshaped(FetchError):
+    """Asked ahead: the version published has other tensors than the destination was laid
+    out for; read it the usual way (``version``)."""
+
+    def __init__(self, message: str, version: int) -> None:
+        super().__init__(message)
+        self.version = version
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A fetch that subscribes ahead (``tensorhub._ahead``): its destination laid out by
+    ``manifest`` (the version it holds), its lease asked before the version exists and held
+    until ``until`` (``time.monotonic()``), then ``timeout`` seconds to read."""
+
+    manifest: Manifest
+    wait: float
+    until: float
+    timeout: float
+
+
 class Fetch:
     """One read of (model, version, layout, shard) into ``into`` or new memory; see the
     module docstring. ``run()`` once; it returns a :class:`Fetched` or raises."""
 
     def __init__(self, session: Session, holdings: Holdings, opts: FetchOptions, model: str, version: int,
                  layout: str, shard: int, *, into: Optional[Mapping[str, Any]], serve: bool, deadline: float,
-                 track: Track, names: Optional[list[str]] = None, pipelined: bool = True) -> None:
+                 track: Track, names: Optional[list[str]] = None, pipelined: bool = True,
+                 ahead: Optional[Ahead] = None) -> None:
         self.session, self.holdings, self.opts = session, holdings, opts
+        #: Asked ahead: ``version`` is the lowest wanted, fixed by the grant (``_bind``).
+        self.ahead = ahead
         self.model, self.version, self.layout, self.shard = model, version, layout, shard
         self.into, self.serve, self.deadline, self.track, self.names = into, serve, deadline, track, names
         self.policy: PlainSources = PipelinedSources(self) if pipelined and names is None else PlainSources(self)
@@ -486,6 +533,7 @@ class Fetch:
         grant: Optional[LeaseGrant] = None if self.policy.offers() else self.policy.first_grant()
         #: The whole shard's manifest (final once registered: read once per version and kept).
         self.manifest = manifest = (grant.manifest if grant is not None else None) or \
+            (self.ahead.manifest if self.ahead is not None else None) or \
             self.session.manifest(self.model, self.version, self.layout, self.shard)
         served = False
         failure: Optional[BaseException] = None
@@ -509,6 +557,8 @@ class Fetch:
             if grant is None:
                 grant = self.policy.first_grant_serving()  # type: ignore[attr-defined]
                 self.held.num_shards = grant.num_shards
+                if self.ahead is not None:
+                    self._bind(grant)
             prog = self.track.start(self.session, self.model, self.version, self.layout, self.shard, manifest.nbytes)
             self.policy.started(grant)
             nbytes, seconds, total, failed = self._attempts(grant, reader, prog)
@@ -539,6 +589,22 @@ class Fetch:
             # Break the fetch <-> policy cycle: new memory freed by the caller is then freed
             # (reused, page faults already paid: transport/_shm) at once, not at the next gc.
             self.policy.f = None  # type: ignore[assignment]
+
+    def _bind(self, grant: LeaseGrant) -> None:
+        """Asked ahead, granted: the version is ``grant.version``; its manifest (read once)
+        must lay out exactly as the destination, else ``Reshaped`` (the caller reads it the
+        usual way). Its checksums replace the held version's."""
+        a, self.ahead = self.ahead, None
+        assert a is not None and self.held is not None
+        v = self.version = self.held.version = self.track.version = grant.version
+        self.deadline = time.monotonic() + a.timeout
+        m = self.session.manifest(self.model, v, self.layout, self.shard)
+        r = self.policy.r  # type: ignore[attr-defined]
+        check = verifier(m, self.out, self.opts.checksum)
+        if shape_digest(m) != shape_digest(self.manifest) or (check is not None and check.chunks != r.chunks):
+            raise Reshaped(f"{self.model!r} v{v} has other tensors than v{v - 1}'s destination", v)
+        self.manifest = self.held.manifest = m
+        r.checksums = check
 
     def _end_attempt(self) -> list[str]:
         """Release the attempt's leases; returns those whose bytes cannot be trusted.

@@ -52,7 +52,8 @@ class Grants:
         if req.request_id is not None and req.lease_id is None:
             hit = self.lease_requests.get((req.worker_id, req.request_id))
             if hit is not None and hit[0] in self.leases and self.leases[hit[0]].expires >= now:
-                return hit[1]
+                # (granted before this retry arrived: the reader trusts it from then on)
+                return hit[1].model_copy(update={"granted_after": min(0.0, self.leases[hit[0]].granted_at - now)})
         self._check_sliced(now, req)
         li = self.catalog.layout(req.model, req.version, req.layout, req.shard)
         excluded = set(req.exclude)
@@ -63,11 +64,7 @@ class Grants:
             raise ConflictError(f"lease {req.lease_id} has lapsed or is not this reader's; read again",
                                 "lease_lapsed")
         reg = self.registry
-        skeys = {lvl: key + (lvl,) + group_key(reader.locality, lvl) for lvl in LEVELS}
-        seeders = {}
-        for lvl, skey in skeys.items():
-            who = self.seeders.get(skey, (None, 0.0))[0]
-            seeders[lvl] = (who, self._seeder_alive(now, who, key))
+        skeys, seeders = self._seeders_of(now, key, reader)
         fast, offered = self._planned(now, req, key, reader, refresh, seeders, excluded, li.num_shards)
         own: Optional[frozenset] = None
         own_num = 0
@@ -206,22 +203,61 @@ class Grants:
             self._arrivals.pop(next(iter(self._arrivals)))
         return k
 
+    def _seeders_of(self, now: float, key: ShardKey, reader: Worker) -> tuple[dict, dict]:
+        """The reader's seeder keys per locality level, and (seeder, alive) per level."""
+        skeys = {lvl: key + (lvl,) + group_key(reader.locality, lvl) for lvl in LEVELS}
+        seeders = {}
+        for lvl, skey in skeys.items():
+            who = self.seeders.get(skey, (None, 0.0))[0]
+            seeders[lvl] = (who, self._seeder_alive(now, who, key))
+        return skeys, seeders
+
+    def _serving(self, now: float, key: ShardKey, reader_id: str, excluded: set
+                 ) -> Callable[[str], Optional[tuple[Replica, Worker]]]:
+        """``serving(rid)``: (replica, worker) if ``rid`` is a serving replica of the shard
+        the reader may use, else None (each looked up once, by id)."""
+        looked: dict[str, Optional[tuple[Replica, Worker]]] = {}
+
+        def serving(rid: str) -> Optional[tuple[Replica, Worker]]:
+            if rid not in looked:
+                r = self.registry.replicas.get(rid)
+                w = None if r is None else self.workers.get(r.worker_id)
+                looked[rid] = (r, w) if w is not None and r.key == key and r.worker_id != reader_id \
+                    and not r.draining and r.suspect_until <= now and rid not in excluded else None
+            return looked[rid]
+
+        return serving
+
+    def join_ahead(self, now: float, req: AcquireLease) -> Optional[tuple]:
+        """A subscriber bound to its version (``_ahead.bind``): register its serve offer and
+        put it into its datacenter's plan before any grant is made, so the plan's layout is
+        fixed with every subscriber in it. Returns the plan's key, or None (no such plan:
+        its grant is made the usual way)."""
+        reader = self.workers.get(req.worker_id)
+        if reader is None:
+            return None
+        key = ShardKey(req.model, req.version, req.layout, req.shard)
+        _, seeders = self._seeders_of(now, key, reader)
+        planned = self._plan(now, req, key, reader, None, seeders, self._serving(now, key, req.worker_id, set()))
+        if planned is None or planned[1][1] == WAN or planned[0].fixed is not None:
+            return None
+        plan, pk = planned
+        offered = self._serve_offer(now, req, self.catalog.layout(req.model, req.version, req.layout,
+                                                                  req.shard).num_shards)
+        if offered[0] is None:
+            return None
+        plan.join(req.worker_id, offered[0], now, reader.locality.host)
+        self.plan_of[(key, req.worker_id)] = pk
+        self.joined[(key, req.worker_id)] = offered
+        return pk
+
     def _planned(self, now: float, req: AcquireLease, key: ShardKey, reader: Worker, refresh: Optional[Lease],
                  seeders: dict, excluded: set, num_shards: int) -> tuple:
         """Under a striped plan: ((choice, parents per stripe, when to ask again, by replica
         id (replica, worker)), the serve offer's answer if one was registered). (None, the
         offer's answer or None) off a plan, or when the plan leaves it nobody to read from.
         Every replica is looked up by id: nothing here grows with the shard's readers."""
-        looked: dict[str, Optional[tuple[Replica, Worker]]] = {}
-
-        def serving(rid: str) -> Optional[tuple[Replica, Worker]]:
-            """(replica, worker) if ``rid`` is a serving replica of the shard the reader may use."""
-            if rid not in looked:
-                r = self.registry.replicas.get(rid)
-                w = None if r is None else self.workers.get(r.worker_id)
-                looked[rid] = (r, w) if w is not None and r.key == key and r.worker_id != req.worker_id \
-                    and not r.draining and r.suspect_until <= now and rid not in excluded else None
-            return looked[rid]
+        serving = self._serving(now, key, req.worker_id, excluded)
 
         def bad(rid: str) -> bool:
             return serving(rid) is None
@@ -232,7 +268,8 @@ class Grants:
         plan, pk = planned
         offered = None
         if refresh is None:
-            offered = self._serve_offer(now, req, num_shards)
+            # (a subscriber put into the plan already: its offer was registered then)
+            offered = self.joined.pop((key, req.worker_id), None) or self._serve_offer(now, req, num_shards)
             if offered[0] is None:
                 return None, offered  # (not serving: no member of a plan)
             plan.join(req.worker_id, offered[0], now, reader.locality.host)

@@ -82,6 +82,8 @@ class Session:
         #: Ask leases with their secret (``LeaseGrant.secret``, what same-host reads prove
         #: their lease with): the coordinator answers it and same-host reads are on.
         self.lease_secrets = False
+        #: The coordinator answers leases asked ahead (``_ahead``).
+        self.ahead = False
         self.closed = False
         self._stop = threading.Event()
         self._hb: Optional[threading.Thread] = None
@@ -166,6 +168,7 @@ class Session:
         self.lease_ttl = r.lease_ttl
         self.address_runs = r.address_runs and envs.TENSORHUB_ADDRESS_RUNS
         self.lease_secrets = r.lease_secrets and envs.TENSORHUB_SAMEHOST
+        self.ahead = r.ahead and self.address_runs  # (held requests stay small: offers as runs)
 
     def reregister(self) -> None:
         """Register the worker and every held replica again, under the holdings' lock, with
@@ -237,7 +240,7 @@ class Session:
         runs = h.runs[1]
         return {"addresses": h.addresses} if runs is None else {"address_runs": runs.model_dump(mode="json")}
 
-    def lease(self, body: dict) -> LeaseGrant:
+    def lease(self, body: dict, **kw: Any) -> LeaseGrant:
         """``POST /v1/leases`` (``body``: the ``AcquireLease`` fields) as this worker, asking
         for sources' addresses as runs when the coordinator has them; the grant comes back
         with every source's addresses expanded (against the shard's manifest, read once)."""
@@ -245,7 +248,9 @@ class Session:
             body = dict(body, address_runs=True)
         if self.lease_secrets:
             body = dict(body, lease_secret=True)
-        g = self.as_worker(lambda api: api.acquire_lease(body))
+        g = self.as_worker(lambda api: api.acquire_lease(body, **kw))
+        if g is None:  # asked ahead, nothing published within the wait
+            return None
         try:
             return _addresses.expand_grant(g, lambda: self.manifest(g.model, g.version, g.layout, g.shard))
         except ValueError as e:

@@ -66,7 +66,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from . import _addresses
+from . import _addresses, _ahead
 from ._checksum import count
 from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
 from ._exceptions import ConflictError, ManifestMismatchError, NotFoundError, RetentionError
@@ -76,6 +76,7 @@ from ._registry import Lease, Registry, Replica, ShardKey, Worker
 from ._stripes import Plan
 from ._views import FETCH_STALE, metrics_view, record_fetch, status_view
 from ._wire import (
+    AcquireLease,
     FetchReport,
     LeaseGrant,
     Locality,
@@ -174,6 +175,11 @@ class CoordinatorState(Grants):
         #: (shard key, worker) -> the plan it is a member of.
         self.plans: dict[tuple, Plan] = {}
         self.plan_of: dict[tuple, tuple] = {}
+        #: Leases asked ahead, held until their version completes (``_ahead``).
+        self.ahead = _ahead.Subscriptions()
+        #: (shard key, worker) -> its serve offer's answer, for subscribers put into a plan
+        #: before their grant is made (``Grants.join_ahead``).
+        self.joined: dict[tuple, tuple[Optional[str], str]] = {}
         #: (model, version) -> when this incarnation allocated it, while it is not complete
         #: (retention's ``abandon_after``; soft: a restored version counts from the boot).
         self.allocated_at: dict[tuple[str, int], float] = {}
@@ -268,6 +274,7 @@ class CoordinatorState(Grants):
         if worker_id not in self.workers:
             raise NotFoundError(f"unknown worker {worker_id!r}", "unknown_worker")
         del self.workers[worker_id]
+        self.ahead.drop_worker(worker_id)
         return self._drop_worker_replicas(now, worker_id)
 
     def _drop_worker_replicas(self, now: float, worker_id: str) -> int:
@@ -304,6 +311,7 @@ class CoordinatorState(Grants):
             del self.seeders[key]
         for key in [k for k, (_, at) in self.fetching.items() if now > at + FETCH_STALE]:
             del self.fetching[key]
+        self.ahead.expire(now)
         for pk in [pk for pk, p in self.plans.items() if now > p.last_used + 2 * self.config.lease_ttl]:
             for w in self.plans.pop(pk).replicas:
                 self.plan_of.pop((pk[0], w), None)
@@ -429,19 +437,34 @@ class CoordinatorState(Grants):
         """The request with the registered manifest its digest names (refused if the shard
         has none yet, or another one)."""
         known = self.catalog.manifest(req.model, req.version, req.layout, req.shard)
-        key = (req.model, req.version, req.layout, req.shard)
-        digest = self._digests.get(key)
-        if digest is None:
-            digest = manifest_digest(known)
-            self._digests[key] = digest
-            while len(self._digests) > DIGESTS_KEPT:
-                self._digests.pop(next(iter(self._digests)))
+        digest = self.digest_of(req.model, req.version, req.layout, req.shard, known)
         if digest != req.manifest_digest:
             raise ManifestMismatchError(
                 f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}: manifest digest "
                 f"{req.manifest_digest} != registered {digest}", "manifest_mismatch")
         _addresses.check(req.addresses, req.address_runs, known, _addresses.invalid)
         return req.model_copy(update={"manifest": known})
+
+    def digest_of(self, model: str, version: int, layout: str, shard: int, known: Manifest) -> str:
+        """``manifest_digest`` of a shard's registered manifest ``known`` (kept per shard)."""
+        key = (model, version, layout, shard)
+        digest = self._digests.get(key)
+        if digest is None:
+            digest = manifest_digest(known)
+            self._digests[key] = digest
+            while len(self._digests) > DIGESTS_KEPT:
+                self._digests.pop(next(iter(self._digests)))
+        return digest
+
+    # ----------------------------------------------------------------- subscribing ahead
+    def subscribe(self, now: float, req: AcquireLease, wait: float) -> Optional[LeaseGrant]:
+        """A lease asked ahead (``_ahead.subscribe``): a grant now, or None (held)."""
+        return _ahead.subscribe(self, self._now(now), req, wait)
+
+    def bind_ahead(self, now: float, models: set) -> list:
+        """Answer the subscriptions that versions of ``models`` just completed satisfy
+        (``_ahead.bind``)."""
+        return _ahead.bind(self, self._now(now), models) if self.ahead else []
 
     def _check_partial(self, req: RegisterReplica, known: Optional[Manifest]) -> None:
         where = f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}"

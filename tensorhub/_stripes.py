@@ -286,6 +286,11 @@ class Plan:
                 return -neg
             heapq.heappop(h)
 
+    def fix(self) -> None:
+        """Fix the layout now (subscribers bound at the publish, ``_ahead``: every member
+        is known, so nobody waits for the window)."""
+        self._fix()
+
     def _fix(self) -> None:
         if self.fixed is None:
             n, d = len(self.members), self.stripes

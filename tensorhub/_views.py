@@ -165,4 +165,10 @@ def status_view(st: Any, now: float) -> dict:
              "reported_ago": round(now - at, 3)}
             for f, at in st.fetching.values() if now <= at + FETCH_STALE
         ],
+        # Leases asked ahead, held until their version is published (``_ahead``).
+        "subscribers": [
+            {"worker_id": wid, "model": model, "layout": layout, "shard": shard, "version": sub.req.version,
+             "since": round(now - sub.since, 3)}
+            for (model, layout, shard), subs in st.ahead.pending.items() for wid, sub in subs.items()
+        ],
     }

@@ -260,6 +260,8 @@ _SLICES = TypeAdapter(list[SliceSpec])
 
 #: Canonical JSON of the last few manifests, by identity (``manifest_json``).
 _json_kept = KeptBy(2)
+#: Shape digests of the last few manifests, by identity (``shape_digest``).
+_shapes_kept = KeptBy(4)
 
 
 #: Tensors (and slices) serialized per call by ``_pieced_json``.
@@ -295,6 +297,25 @@ def manifest_digest(m: Manifest) -> str:
     import hashlib
 
     return "sha256:" + hashlib.sha256(manifest_json(m)).hexdigest()
+
+
+def shape_digest(m: Manifest) -> str:
+    """sha256 of the tensors alone (names, dtypes, shapes, sizes, and slices): what a reader
+    that subscribes ahead (``AcquireLease.ahead``) offers its destination by, since the
+    next version's checksums do not exist yet. Two versions of one model trained in place
+    have the same shape digest."""
+    def digest() -> str:
+        import hashlib
+
+        h = hashlib.sha256()
+        for i in range(0, len(m.tensors), _PIECE):
+            h.update(_TENSORS.dump_json(m.tensors[i:i + _PIECE]))
+        h.update(b"|")
+        for i in range(0, len(m.slices or ()), _PIECE):
+            h.update(_SLICES.dump_json(m.slices[i:i + _PIECE]))
+        return "sha256:" + h.hexdigest()
+
+    return _shapes_kept.get(m, digest)
 
 
 def first_difference(a: Manifest, b: Manifest) -> Optional[str]:
@@ -488,6 +509,12 @@ class AcquireLease(_Model):
     #: to same-host holders (``lease_proof``). Sent only to coordinators that said they
     #: answer it (``WorkerRegistered.lease_secrets``).
     lease_secret: bool = False
+    #: Subscribe ahead (``tensorhub._ahead``): a lease on the first complete version >=
+    #: ``version``, held (``POST /v1/leases?wait=S``) until one is published; the reader is a
+    #: member of its plan from the start. Needs ``request_id`` and ``pipelined``; its ``serve``
+    #: offer names the destination by ``shape_digest`` (the version's checksums do not exist
+    #: yet). Sent only to coordinators that said they answer it (``WorkerRegistered.ahead``).
+    ahead: bool = False
 
 
 class LeaseCovers(_Model):
@@ -636,14 +663,23 @@ class LeaseGrant(_Model):
     #: The lease's secret, hex (only to readers that asked: ``AcquireLease.lease_secret``):
     #: the key of the ``lease_proof`` it shows same-host holders. Never sent to them.
     secret: str = ""
+    #: Seconds after this request reached the coordinator that the lease was granted: > 0
+    #: for a lease asked ahead (held until its version came), < 0 for a retried request
+    #: answered with the lease granted to its first try. The reader trusts the lease from
+    #: the moment it sent the request plus this (``_fencing.LeaseClock``), never longer
+    #: than the coordinator keeps it.
+    granted_after: float = 0.0
 
     @model_serializer(mode="wrap")
     def _omit_no_secret(self, handler):  # type: ignore[no-untyped-def]
-        """Written without ``secret`` when there is none: readers that predate it
-        (``extra="forbid"``) read the answer as before."""
+        """Written without ``secret`` and ``granted_after`` when they are empty: readers that
+        predate them (``extra="forbid"``) read the answer as before."""
         d = handler(self)
-        if isinstance(d, dict) and d.get("secret", None) == "":
-            del d["secret"]
+        if isinstance(d, dict):
+            if d.get("secret", None) == "":
+                del d["secret"]
+            if d.get("granted_after", None) == 0.0:
+                del d["granted_after"]
         return d
 
 
@@ -668,6 +704,8 @@ class WorkerRegistered(_Answer):
     #: The coordinator answers lease secrets (``AcquireLease.lease_secret``) and checks
     #: same-host proofs (``LeaseCovers``); False: an older coordinator.
     lease_secrets: bool = False
+    #: The coordinator answers leases asked ahead (``AcquireLease.ahead``).
+    ahead: bool = False
 
 
 class HeartbeatAnswer(_Answer):

@@ -224,7 +224,7 @@ class _Guard:
             self.count(scope["method"], scope["path"])
         rank = _gate_rank(scope["method"], scope["path"]) if self._gate is not None else None
         inner = self.app if rank is None else functools.partial(self._gated, rank=rank)
-        if length is not None and int(length) > _LARGE_BODY:
+        if length is not None and int(length) > _LARGE_BODY and not _held(scope):
             async with self._large:
                 return await inner(scope, receive, send)
         await inner(scope, receive, send)
@@ -263,6 +263,12 @@ class _Guard:
         finally:
             before_disk_wait.reset(token)
             let_go()
+
+
+def _held(scope: Any) -> bool:
+    """A lease asked ahead (``?wait=``): held for up to a minute, so it takes no turn of the
+    large bodies' one-at-a-time parsing (a publisher's registration would wait behind it)."""
+    return scope["method"] == "POST" and scope["path"] == "/v1/leases" and b"wait=" in scope.get("query_string", b"")
 
 
 class _FastHeartbeat:
@@ -519,7 +525,8 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
     async def register_worker(req: RegisterWorker) -> dict:
         coord.call(lambda now: st().register_worker(now, req.worker_id, req.endpoint, req.locality), soft=True)
         return {"epoch": coord.state.epoch, "worker_ttl": coord.config.worker_ttl,
-                "lease_ttl": coord.config.lease_ttl, "address_runs": True, "lease_secrets": True}
+                "lease_ttl": coord.config.lease_ttl, "address_runs": True, "lease_secrets": True,
+                "ahead": True}
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
     async def heartbeat(worker_id: str = _id(), req: Optional[Heartbeat] = Body(default=None)) -> dict:
@@ -621,11 +628,43 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
                                                                           req.lease_ids, req.coming), soft=True)}
 
     @app.post("/v1/leases", response_model=LeaseGrant)
-    async def acquire(req: AcquireLease) -> Response:
+    async def acquire(req: AcquireLease, wait: float = Query(default=0.0, ge=0.0, le=60.0)) -> Response:
+        """A read lease. Asked ahead (``req.ahead``, ``tensorhub._ahead``): held up to ``wait``
+        seconds until a complete version >= ``req.version`` exists; ``{"pending": true}``
+        if none came (ask again with the same ``request_id``: the place is kept)."""
+        if req.ahead:
+            return await _ahead(req, wait)
         grant = await coord.acall(lambda now: st().acquire_lease(now, req))
         if grant.lease_id != req.lease_id:
             coord.metrics.leases_granted.labels(grant.model).inc()
         # Already a validated LeaseGrant: serialize once (response_model would re-validate it).
+        return Response(coord.lease_answers.encode(grant), media_type="application/json")
+
+    async def _ahead(req: AcquireLease, wait: float) -> Response:
+        rid = str(req.request_id)
+        arrived = time.monotonic()
+        fut = coord.subscribers.register(req.worker_id, rid, arrived) if req.request_id is not None else None
+        try:
+            grant = await coord.acall(lambda now: st().subscribe(now, req, wait))
+            if grant is None:
+                assert fut is not None
+                let_go = before_disk_wait.get()
+                if let_go is not None:
+                    let_go()  # held: the gate's slot goes to the next call
+                try:
+                    answer = await asyncio.wait_for(fut, wait)
+                except asyncio.TimeoutError:
+                    answer = None
+                if answer is None:
+                    return Response(b'{"pending":true}', media_type="application/json")
+                if isinstance(answer, CoordinatorError):
+                    raise answer
+                coord.metrics.leases_granted.labels(req.model).inc()
+                return Response(answer, media_type="application/json")
+        finally:
+            if fut is not None:
+                coord.subscribers.forget(req.worker_id, rid, fut)
+        coord.metrics.leases_granted.labels(grant.model).inc()
         return Response(coord.lease_answers.encode(grant), media_type="application/json")
 
     @app.post("/v1/leases/{lease_id}/renew")

@@ -30,7 +30,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from . import _borrow, _delta_path, _holder, _lora, _sliced, _tensors
+from . import _borrow, _delta_path, _holder, _lora, _next, _sliced, _tensors
 from ._borrow import Borrowed
 from ._client import CoordinatorClient
 from ._exceptions import (
@@ -349,6 +349,27 @@ class Hub:
             raise
         self._account(model, layout, shard, track, f, t0)
         return f
+
+    def fetch_next(self, model: str, after: int, *, into: Optional[Mapping[str, Any]] = None, layout: str = "hf",
+                   shard: int = 0, wait: float = 60.0, timeout: Optional[float] = None,
+                   progress: Optional[Callable[[FetchProgress], None]] = None) -> Optional[Fetched]:
+        """The next complete version of ``model`` newer than ``after``, read and served as
+        soon as it is published; None if none is published within ``wait`` seconds.
+
+        What a reader that follows a model calls once it holds ``after``: its lease is asked
+        ahead (the coordinator holds it until the version exists), so this reader is in the
+        version's distribution plan from its first moment instead of queueing with the
+        fleet after the publish (``tensorhub._next``). ``into``: the destination (e.g. the
+        kept copy of an older version), laid out as ``after``. The read itself completes
+        within ``timeout`` (default ``fetch_timeout``) of the publish. Read in full (no
+        deltas); against an older coordinator, ``wait_for_version`` + :meth:`fetch`."""
+        self._check_open()
+        if not isinstance(after, int) or isinstance(after, bool) or after < 1:
+            raise ConfigError(f"after must be a positive int, got {after!r}")
+        if not wait > 0:
+            raise ConfigError(f"wait must be > 0 seconds, got {wait!r}")
+        return _next.fetch_next(self, model, after, into=into, layout=layout, shard=shard, wait=wait,
+                                timeout=timeout, progress=progress)
 
     def borrow(self, model: str, version: int, *, layout: str = "hf", shard: int = 0,
                timeout: Optional[float] = None) -> Optional[Borrowed]:

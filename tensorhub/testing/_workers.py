@@ -321,6 +321,19 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
                                   "failed_sources": f.failed_sources, "nbytes": f.nbytes,
                                   "seconds": f.seconds, "delta": None if d is None else d.steps,
                                   "delta_skipped": f.delta_skipped}))
+            elif cmd == "fetch_next":  # subscribe ahead: the next version after kw["after"]
+                into = buffers.get(kw["into"]) if kw.get("into") else None
+                t0 = time.monotonic()
+                f = hub.fetch_next(MODEL, kw["after"], into=into, wait=kw.get("wait", 60.0),
+                                   timeout=kw.get("fetch_timeout"))
+                if f is None:
+                    conn.send(("ok", None))
+                    continue
+                if kw.get("keep"):  # the fetched copy, as a later fetch_next's destination
+                    buffers[kw["keep"]] = dict(f)
+                conn.send(("ok", {"version": f.version, "digest": digest(f), "sources": f.sources,
+                                  "nbytes": f.nbytes, "seconds": f.seconds, "waited": time.monotonic() - t0,
+                                  "done_at": time.time()}))
             elif cmd == "borrow":  # read in place (same host): digest inside the block, then release
                 b = hub.borrow(MODEL, kw["version"], timeout=kw.get("fetch_timeout"))
                 if b is None:
