@@ -111,7 +111,8 @@ class LoraEngine:
     """A vLLM OpenAI server with the plug-in (base from TensorHub) and ``--enable-lora``,
     and the ``tensorhub follow --lora K`` process that loads adapter versions into it."""
 
-    def __init__(self, name: str, children: Children, url: str, model_dir: Path, logs: Path, keep: int) -> None:
+    def __init__(self, name: str, children: Children, url: str, model_dir: Path, logs: Path, keep: int,
+                 rank: int = RANK) -> None:
         import httpx
 
         self.name, self.coordinator, self.keep, self.children, self.logs = name, url, keep, children, logs
@@ -122,7 +123,7 @@ class LoraEngine:
                "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--dtype", "float32",
                "--enforce-eager", "--max-model-len", "64", "--uvicorn-log-level", "warning",
                "--load-format", "tensorhub", "--model-loader-extra-config", json.dumps(extra),
-               "--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", str(keep),
+               "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(keep),
                "--max-cpu-loras", str(keep + 1)]
         env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "TENSORHUB_COORDINATOR": url}
         with open(self.log_path, "w") as log:
@@ -246,8 +247,8 @@ def run(args: argparse.Namespace, url: str, work: Path, children: Children) -> l
                 for r in recs:
                     r.update(step=step, asked=v, version=adapter_version(r["model"]))
                     if r["version"] != v or r["base_version"] != vb:
-                        raise RuntimeError(f"{e.name}: a rollout asked of {name} is stamped {r['model']!r}, base "
-                                           f"v{r['base_version']} (expected {name}, base v{vb})")
+                        raise RuntimeError(f"{e.name}: a rollout asked of {name} is stamped {r['model']!r} (adapter "
+                                           f"v{r['version']}), base v{r['base_version']} (expected {name}, base v{vb})")
                 records += recs
                 outs[e.name] = [r["tokens"] for r in recs]
                 if outs[e.name] == base_out[e.name]:
