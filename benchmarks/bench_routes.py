@@ -26,6 +26,17 @@ complete + release).
     python benchmarks/bench_routes.py                       # 1,024 readers, 50,000 tensors
     python benchmarks/bench_routes.py --readers 256 --tensors 5000
     python benchmarks/bench_routes.py --readers 256 --addresses runs
+    python benchmarks/bench_routes.py --only ahead --reps 5   # subscribe ahead: bind per subscriber
+
+Subscribing ahead (``--ahead``, on by default; ``--only ahead`` runs just it): the coordinator's
+state machine alone (``tensorhub._state.CoordinatorState``, no HTTP, no process), as
+``_coordinator.Coordinator._apply`` runs it. ``--readers`` workers on hosts of 8 GPUs each
+subscribe for v+1 (``subscribe``: an ``ahead`` lease with the serve offer the client sends,
+address runs + chunk map), the publisher registers v+1, and the call that completes it binds
+every subscriber (``bind_ahead``: offers registered, one plan fixed, every grant made) and
+encodes every grant as ``Subscribers.deliver`` does (``LeaseAnswers.encode``). Printed: the
+CPU per subscriber of the subscribe and of the bind (+ encode), the median of ``--reps``
+rounds (each on a fresh state), beside the serving lease and manifest rows above.
 
 Compare two trees by running it from each (the coordinator is ``python -m tensorhub`` in
 the current directory), e.g. ``cd OTHER && python /path/to/bench_routes.py``.
@@ -211,6 +222,102 @@ def report_routes(out: dict) -> str:
     return "\n".join(lines)
 
 
+def _ahead_round(readers: int, man: dict, chunks: int) -> dict:
+    """One round of subscribe-ahead on a fresh ``CoordinatorState`` (module docstring):
+    seconds (``time.process_time``: this process's CPU) of the subscribes, the publisher's
+    registration of v+1, and the bind + encode, and what the bind answered."""
+    from tensorhub._addresses import encode
+    from tensorhub._grid import grid_chunk_bytes
+    from tensorhub._manifest_cache import LeaseAnswers
+    from tensorhub._state import CoordinatorState, StateConfig
+    from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica, ServeOffer, shape_digest
+
+    st = CoordinatorState(StateConfig(lease_ttl=600.0, worker_ttl=600.0), now=0.0)
+    manifest = Manifest.model_validate(man)
+    offsets, off = [], 0
+    for t in man["tensors"]:  # the Hub's layout (``_tensors.allocate_like``): in order, 64-byte aligned
+        offsets.append(off)
+        off += -(-t["nbytes"] // 64) * 64
+
+    def runs(base: int):  # a replica at ``base`` as the client sends it (``Session.addresses_of``)
+        return encode([base + o for o in offsets], manifest)
+
+    st.register_worker(0.0, "trainer", "127.0.0.1:20000", Locality(datacenter="dc1", zone="zt", host="ht"))
+    ids = [f"sim-{i:05d}" for i in range(readers)]
+    for i, w in enumerate(ids):  # hosts of 8 GPUs, 16 hosts to a zone, one datacenter
+        st.register_worker(0.0, w, f"127.0.0.1:{20001 + i}",
+                           Locality(datacenter="dc1", zone=f"z{i // 128}", host=f"h{i // 8}"))
+    v1 = st.allocate_version(0.0, "policy")
+    st.register_replica(0.0, RegisterReplica(worker_id="trainer", model="policy", version=v1, layout="hf", shard=0,
+                                             num_shards=1, manifest=manifest, address_runs=runs(1 << 40)))
+    st.catalog.take_completed()
+    digest = shape_digest(manifest)  # the client's offer names the held version's tensors
+    chunk_bytes = grid_chunk_bytes(manifest.nbytes)
+    reqs = [AcquireLease(worker_id=w, model="policy", version=v1 + 1, layout="hf", shard=0, max_sources=4,
+                         pipelined=True, manifest=False, request_id=f"ahead-{i}", ahead=True, address_runs=True,
+                         serve=ServeOffer(manifest_digest=digest, address_runs=runs((1 << 44) + (i << 32)),
+                                          chunk_bytes=chunk_bytes, num_chunks=chunks,
+                                          status_addr=(1 << 44) + (i << 32) - 4096, status_tag=i + 1))
+            for i, w in enumerate(ids)]  # (parsed beforehand: the HTTP shell's part, not the state's)
+    c0 = time.process_time()
+    for r in reqs:
+        assert st.subscribe(1.0, r, 30.0) is None  # held
+    subscribe = time.process_time() - c0
+    v2 = st.allocate_version(2.0, "policy")
+    c0 = time.process_time()
+    st.register_replica(2.0, RegisterReplica(worker_id="trainer", model="policy", version=v2, layout="hf", shard=0,
+                                             num_shards=1, manifest=manifest, address_runs=runs(1 << 40)))
+    completed = st.catalog.take_completed()
+    publish = time.process_time() - c0
+    answers = LeaseAnswers()
+    c0 = time.process_time()
+    bound = st.bind_ahead(2.0, completed)
+    body = [answers.encode(g.model_copy(update={"granted_after": 1.0})) for _, _, g in bound]  # (as deliver)
+    bind = time.process_time() - c0
+    grants = [g for _, _, g in bound]
+    return {"subscribe": subscribe, "publish": publish, "bind": bind, "bound": len(bound),
+            "fixed": sum(1 for g in grants if getattr(g, "refresh_after", 1.0) == 0.0 and g.stripes),
+            "answer_bytes": sum(map(len, body)) / max(1, len(body))}
+
+
+def run_ahead(*, readers: int = 1024, tensors: int = 50_000, chunks: int = 256, reps: int = 5) -> dict:
+    """:func:`_ahead_round` ``reps`` times; medians (ms) per subscriber."""
+    import gc
+    import statistics
+
+    man = moe_manifest(tensors, chunks)
+    rounds = []
+    for _ in range(reps):
+        gc.collect()
+        rounds.append(_ahead_round(readers, man, chunks))
+    med = {k: statistics.median(r[k] for r in rounds) for k in ("subscribe", "publish", "bind")}
+    return {"readers": readers, "tensors": tensors, "chunks": chunks, "reps": reps,
+            "subscribe_ms": med["subscribe"] / readers * 1e3, "bind_ms": med["bind"] / readers * 1e3,
+            "bind_total_ms": med["bind"] * 1e3, "publish_ms": med["publish"] * 1e3,
+            "bind_ms_all": [round(r["bind"] / readers * 1e3, 4) for r in rounds],
+            "subscribe_ms_all": [round(r["subscribe"] / readers * 1e3, 4) for r in rounds],
+            "bound": rounds[-1]["bound"], "fixed": rounds[-1]["fixed"], "answer_bytes": round(rounds[-1]["answer_bytes"])}
+
+
+def report_ahead(a: dict, beside: Optional[dict] = None) -> str:
+    lines = [f"subscribe ahead, on the state machine (CoordinatorState, no HTTP; {a['readers']} subscribers on "
+             f"hosts of 8, {a['tensors']:,}-tensor manifest, {a['chunks']} chunks, offers as address runs; median of "
+             f"{a['reps']} rounds, CPU of this process)",
+             f"{'request':<44} {'CPU ms/req':>11} {'rounds':>40}",
+             f"{'subscribe (held; per subscriber)':<44} {a['subscribe_ms']:>11.3f} "
+             f"{' '.join(f'{x:.3f}' for x in a['subscribe_ms_all']):>40}",
+             f"{'bind + encode at the publish (per subscr.)':<44} {a['bind_ms']:>11.3f} "
+             f"{' '.join(f'{x:.3f}' for x in a['bind_ms_all']):>40}",
+             f"  the bind of all {a['bound']} (one state call, under the lock): {a['bind_total_ms']:.0f} ms; "
+             f"the publisher's registration of v+1 before it: {a['publish_ms']:.1f} ms; {a['fixed']} grants "
+             f"from a fixed plan; answer {a['answer_bytes']:,} B each"]
+    if beside:
+        for r in beside["routes"]:
+            if r["route"].startswith(("lease, serving", "GET manifest: the others")):
+                lines.append(f"{'(HTTP) ' + r['route']:<44} {r['cpu_ms']:>11.3f}")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--readers", type=int, default=1024)
@@ -219,9 +326,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--beats", type=int, default=4000, help="heartbeats measured (half as many with a report)")
     p.add_argument("--addresses", choices=("plain", "runs", "both"), default="both",
                    help="clients send replicas' addresses as plain lists, as runs, or both in turn (default)")
+    p.add_argument("--ahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure subscribe ahead's bind on the state machine (module docstring)")
+    p.add_argument("--only", choices=("routes", "ahead"), default=None, help="only the routes, or only the bind")
+    p.add_argument("--reps", type=int, default=5, help="subscribe-ahead rounds (the median is printed)")
     p.add_argument("--json", help="also write the figures here")
     a = p.parse_args(argv)
     modes = {"plain": [False], "runs": [True], "both": [False, True]}[a.addresses]
+    if a.only == "ahead":
+        modes = []
     outs = []
     for runs in modes:
         out = run_routes(readers=a.readers, tensors=a.tensors, chunks=a.chunks, beats=a.beats, runs=runs)
@@ -230,8 +343,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         outs.append(out)
     if len(outs) == 2:
         print(report_both(*outs))
+    ahead = None
+    if a.ahead and a.only != "routes":
+        ahead = run_ahead(readers=a.readers, tensors=a.tensors, chunks=a.chunks, reps=a.reps)
+        print("\n" + report_ahead(ahead, outs[-1] if outs else None))
     if a.json:
-        Path(a.json).write_text(json.dumps(outs[0] if len(outs) == 1 else outs, indent=2))
+        data: object = outs[0] if len(outs) == 1 else outs
+        if ahead is not None:
+            data = {"routes": data, "ahead": ahead}
+        Path(a.json).write_text(json.dumps(data, indent=2))
     bad = sum(n for o in outs for r in o["routes"] for st, n in r["statuses"].items() if st != 200)
     return 0 if all(o["alive"] for o in outs) and not bad else 1
 
