@@ -9,6 +9,18 @@ seeding; ``pick_chunk`` for which chunk to read from which source; ``chunk_order
 
 **The model credits only what the code does** (issue 31; docs/operations/benchmarks.md):
 
+* **readers follow the model and subscribe ahead** (``--ahead``, the default; what the code's
+  followers do now: ``Hub.fetch_next``, ``tensorhub/_ahead.py``): every reader's serving lease
+  is held before the publish; the call that completes the version binds them all
+  (:data:`COORD_MS` ``bind`` per subscriber, measured by ``bench_routes.py --only ahead``): the
+  readers of the publisher's datacenter join its plan in arrival order and the layout is fixed
+  with all of them (``Plan.join`` then ``Plan.fix``: none late, no refresh), the others get the
+  usual grant right after; every answer leaves after the whole bind (``--ahead-deliver
+  batch``, as ``_coordinator.Subscribers.deliver``; ``stream``: one by one, not the code), in
+  plan order, each woken request's answer written by the event loop (``wake``, a proxy); then
+  each reader GETs the version's manifest (queued) and reads. ``--no-ahead``: leases asked
+  after the publish (resolve, manifest, lease, queued), as below; ``--compare`` (default)
+  prints both. ``elastic``'s newcomers hold no earlier version: never ahead;
 * **the coordinator is one queue.** Every call (resolve, the manifest GET, the serving
   lease, refreshes, release+register, every worker's heartbeat) costs its service time
   measured by ``benchmarks/bench_routes.py`` (:data:`COORD_MS`; ``--coord-costs``,
@@ -398,6 +410,16 @@ COORD_MS = {
     "release": 0.55,  # POST /v1/replicas: the complete replica registered + the lease released, one call
     "heartbeat": 0.052,  # every worker, every HEARTBEAT_S
     "report": 0.072,  # the heartbeat of a worker that is reading (it carries a fetch report)
+    # Subscribing ahead (tensorhub/_ahead.py), measured on the state machine (no HTTP) by
+    # ``python benchmarks/bench_routes.py --only ahead --reps 5`` (1,024 subscribers on hosts of
+    # 8, 50,000 tensors, offers as address runs; 15 s), this shared 2-core VM: ``bind_ahead`` +
+    # encoding each grant (``LeaseAnswers.encode``, as ``Subscribers.deliver``) per subscriber,
+    # median 0.176 ms (5 rounds 0.151-0.295; 180 ms for all 1,024, one state call under the
+    # lock); the subscribe itself 0.001-0.002 ms in the state (before the publish: not modelled).
+    "bind": 0.176,  # per subscriber, in the call that completes the version (all before any answer)
+    # Not measured (a proxy): the event loop writing one woken held request's answer, as a
+    # heartbeat (a whole small request: parse, state call, answer); issue 31's target ~0.02 ms.
+    "wake": 0.052,
     # Not measured by bench_routes (used by the Kimi scenario's sliced read only; proxies):
     "lease_plain": 0.355,  # a lease without ``serve`` (nothing registered): as a refresh
     "release_plain": 0.355,  # a release without a registration: as a refresh
@@ -487,6 +509,9 @@ class MapReader:
     done_t: Optional[float] = None
     blocked: bool = True  # waiting for a coordinator answer (its loop is in ``get_sources``)
     start_t: Optional[float] = None  # when its lease was answered
+    read_t: Optional[float] = None  # when its loop started reading (after the lease and, asked ahead, the manifest)
+    data_t: Optional[float] = None  # when its last chunk landed (before its release+register)
+    granted: bool = False  # asked ahead: its lease came with the bind (next: the version's manifest, then read)
     leased: bool = False  # its lease (and so its partial replica) registered
     plan_key: Optional[tuple] = None  # (datacenter, root) of the plan it is a member of
     plan: Optional[list] = None  # parent replica id per stripe (NONE: none yet)
@@ -543,9 +568,17 @@ class MapSim(Sim):
     def __init__(self, cl: Cluster, nbytes: float, num_chunks: int, *, rtt: float = 50e-6,
                  tick: float = 0.25e-3, fixed_calls: int = FIXED_CALLS, plans: bool = True,
                  coord: Optional[Coordinator] = None, checksum_bps: float = 0.0, queue_s: float = 0.0,
-                 loop_s: Optional[float] = None, heartbeats: bool = True, **kw) -> None:
+                 loop_s: Optional[float] = None, heartbeats: bool = True, ahead: bool = False,
+                 deliver: str = "batch", **kw) -> None:
         super().__init__(cl, nbytes, num_chunks, **kw)
         self.rtt, self.tick, self.fixed_calls = rtt, tick, fixed_calls
+        #: Subscribed ahead (:meth:`_bind`): every reader's lease is held before the publish and
+        #: answered by the call that completes the version; ``deliver``: ``batch`` (the code:
+        #: every answer after the whole bind, then each written by the event loop) or
+        #: ``stream`` (NOT the code: each answer leaves as soon as its grant is made).
+        self.ahead, self.deliver = ahead, deliver
+        self.bind_order: list = []
+        self._binds_left = 0
         self.plans_on, self.plans, self.now = plans, {}, 0.0
         self.coord = coord if coord is not None else Coordinator()
         self.queue_s, self.heartbeats = queue_s, heartbeats
@@ -675,16 +708,33 @@ class MapSim(Sim):
                 co.ask(end + HEARTBEAT_S, "report" if o is not None and o.done_t is None and o.start_t is not None
                        else "heartbeat", who)
                 continue
-            r = self.mreaders[who]
             self.now, self._cands = end, None
-            if kind == "resolve":
+            if kind == "bind":  # subscribed ahead: one per subscriber, back to back (one state call)
+                self._binds_left -= 1
+                if self.deliver == "stream":
+                    if who == 0:
+                        self._bind()
+                    self._answered(self.mreaders[self.bind_order[who]], end)
+                elif self._binds_left == 0:  # the code: every grant made and encoded, then the wake-ups
+                    self._bind()
+                    for w in self.bind_order:
+                        co.ask(end, "wake", w)
+                continue
+            r = self.mreaders[who]
+            if kind == "wake":
+                self._answered(r, end)
+            elif kind == "resolve":
                 co.ask(end, "manifest", who)
+            elif kind == "manifest" and r.granted:  # asked ahead: the version's manifest read, now it reads
+                r.read_t = r.t0 = r.last_refresh = r.last_progress = end
+                r.blocked = False
+                self._wake(r, end)
             elif kind == "manifest":
                 co.ask(end, "lease", who)
             elif kind in ("lease", "refresh"):
                 self._lease(r)
                 if kind == "lease":
-                    r.start_t = r.t0 = r.last_refresh = r.last_progress = end
+                    r.start_t = r.read_t = r.t0 = r.last_refresh = r.last_progress = end
                 r.blocked = False
                 self._wake(r, end)
             elif kind == "release":
@@ -695,6 +745,58 @@ class MapSim(Sim):
                     self.load[w] -= 1
                 self._cands = None
         self.now = now
+
+    def _bind(self) -> None:
+        """The call that completes the version binds every subscriber (``_ahead.bind``): each
+        one whose plan is in its own datacenter joins it in arrival order (``Grants.join_ahead``:
+        the same ``_stripes.Plan.join``), each such plan's layout is fixed (``Plan.fix``: all of
+        them members, none late, no refresh), then every grant is made (``acquire_lease``:
+        here :meth:`_lease`) -- the plans' members in plan order, then the others (readers
+        that would seed their datacenter through a plan across datacenters, or readers of a
+        datacenter that has no complete replica: the usual grant, a plan that forms as they
+        come, and its refresh). :attr:`bind_order` is the order the answers leave in."""
+        rs = list(self.mreaders.values())  # (arrival order: the readers' order)
+        plans: dict = {}
+        for r in rs:
+            key = self._join_ahead(r)
+            if key is not None:
+                plans[key] = self.plans[key]
+        for plan in plans.values():
+            plan.fix()
+        first = [r for r in rs if r.plan_key in plans]
+        first.sort(key=lambda r: self.plans[r.plan_key].order[str(r.wid)])
+        rest = [r for r in rs if r.plan_key not in plans]
+        for r in first + rest:
+            self._cands = None
+            self._lease(r)
+            r.granted = True
+        self.bind_order = [r.wid for r in first + rest]
+
+    def _join_ahead(self, r: MapReader) -> Optional[tuple]:
+        """``Grants.join_ahead``: the plan of ``r``'s datacenter it joins before any grant is
+        made (its offer registered), or None (no such plan now, or only one across datacenters)."""
+        if not self.plans_on or self.n < MIN_CHUNKS or self.policy != "topology":
+            return None
+        root = plan_root(r.loc, str(r.wid), self._candidates(), None)  # (no seeder yet: no grant made)
+        if root is None:
+            return None  # (a plan across datacenters, or none: the usual grant after the home plans)
+        key = (r.loc.datacenter, root)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = Plan(root, STRIPES, self.now)
+        elif plan.fixed is not None:
+            return None
+        r.plan_key = key
+        plan.join(str(r.wid), self._rid_of(r.wid), self.now, r.loc.host)
+        r.leased, self._cands = True, None  # its offer registered (its partial replica): a parent from now
+        return key
+
+    def _answered(self, r: MapReader, t: float) -> None:
+        """A held lease's answer reached its reader at ``t``: it asks for the version's
+        manifest (``Fetch._bind``: its checksums; the grant's address runs are expanded by
+        it), then reads."""
+        r.start_t = t
+        self.coord.ask(t, "manifest", r.wid)
 
     def _spillable(self, r: MapReader) -> list:
         """``PipelinedReader._spillable``: the chunks still needed of the stripes whose
@@ -891,6 +993,7 @@ class MapSim(Sim):
                     r.marked, r.marked_coming = frozenset(r.have), frozenset(r.inflight)
             if len(r.have) == self.n:
                 r.calls += 1  # release + register the complete replica, one call
+                r.data_t = now
                 self._ask(r, "release", now + cpu)
                 return
             if not done:
@@ -998,8 +1101,15 @@ class MapSim(Sim):
         co = self.coord
         first = "resolve" if self.fixed_calls >= 2 else "manifest"
         rs = list(self.mreaders.values())
-        for r in rs:  # every reader asks at once (woken by the publish); its lease registers its partial replica
-            self._ask(r, first, 0.0)
+        if self.ahead:  # every lease held since before the publish: bound in the publish's call
+            self.bind_order = [r.wid for r in rs]  # (stream: the order is known before the grants)
+            self._binds_left = len(rs)
+            for k, r in enumerate(rs):
+                r.blocked, r.wake = True, float("inf")
+                co.ask(0.0, "bind", k)
+        else:
+            for r in rs:  # every reader asks at once (woken by the publish); its lease registers its partial replica
+                self._ask(r, first, 0.0)
         if self.heartbeats:  # every worker's heartbeat, spread over the interval
             who = [-1, *self.complete.keys() - {-1}, *self.mreaders]
             for k, w in enumerate(who):
@@ -1059,7 +1169,8 @@ class MapSim(Sim):
                 r.map_pending.pop(s, None)
                 r.map_result[s] = (full, frozenset()) if h is None or h.done_t is not None else self._marks(h, t)
         times = [r.done_t if r.done_t is not None else float("inf") for r in rs]
-        calls = [self.fixed_calls + r.calls + int((r.done_t or 0) // max(0.1, LEASE_TTL / 3)) for r in rs]
+        fixed = 1 if self.ahead else self.fixed_calls  # (asked ahead: the manifest; the held lease is r.calls)
+        calls = [fixed + r.calls + int((r.done_t or 0) // max(0.1, LEASE_TTL / 3)) for r in rs]
         roles = {"member": 0, "late": 0, "none": 0}
         for r in rs:
             plan = self.plans.get(r.plan_key) if r.plan_key is not None else None
@@ -1073,6 +1184,11 @@ class MapSim(Sim):
                 "map_wait_ms_mean": 1e3 * float(np.mean([r.map_wait / max(1, r.map_reads) for r in rs])),
                 "plan_members": roles["member"], "plan_late": roles["late"], "no_plan": roles["none"],
                 "first_lease_s": min(starts, default=float("nan")), "last_lease_s": max(starts, default=float("nan")),
+                "last_read_s": max((r.read_t for r in rs if r.read_t is not None), default=float("nan")),
+                "last_data_s": max((r.data_t for r in rs if r.data_t is not None), default=float("nan")),
+                "data_s_max": max((r.data_t - r.read_t for r in rs if r.data_t is not None and r.read_t is not None),
+                                  default=float("nan")),
+                "ahead": self.ahead, "deliver": self.deliver if self.ahead else "-",
                 "coord_busy_s": co.busy, "coord_longest_wait_s": co.waited, "coord_served": dict(co.served)}
 
 
@@ -1134,7 +1250,8 @@ def make_sim(args: argparse.Namespace, cl: Cluster, nbytes: float, chunks: int, 
         queue_s = getattr(args, "uplink_queue_ms", 0.0) / 1e3
     return MapSim(cl, nbytes, chunks, rtt=args.rtt_us * 1e-6, tick=args.tick_ms / 1e3, fixed_calls=fixed_calls,
                   plans=getattr(args, "plans", True), coord=coordinator(args),
-                  checksum_bps=checksum_rate(args, cpu_memory), queue_s=queue_s, **kw)
+                  checksum_bps=checksum_rate(args, cpu_memory), queue_s=queue_s, ahead=getattr(args, "ahead", False),
+                  deliver=getattr(args, "ahead_deliver", "batch"), **kw)
 
 
 def workload(name: str, args: argparse.Namespace, dcs: int, nodes: Optional[int] = None,
@@ -1153,6 +1270,8 @@ def workload(name: str, args: argparse.Namespace, dcs: int, nodes: Optional[int]
         newcomers, holders = every, ()
     kw = dict(max_sources=args.stripe, report_s=args.report_ms / 1e3, refresh_s=args.refresh_ms / 1e3)
     chunks = args.chunks or -(-int(nbytes) // grid_chunk_bytes(int(nbytes)))
+    if name == "elastic":  # newcomers hold no earlier version: nothing to subscribe ahead from
+        args = argparse.Namespace(**dict(vars(args), ahead=False))
     t0 = time.monotonic()
     th = make_sim(args, cl, nbytes, chunks, holders=holders, readers=tuple(newcomers), **kw).run()
     wall = time.monotonic() - t0
@@ -1172,7 +1291,9 @@ def workload(name: str, args: argparse.Namespace, dcs: int, nodes: Optional[int]
         "refreshes_per_reader": th.get("refreshes_mean"),
         "stall_refreshes_per_reader": th.get("stall_refreshes_mean"), "map_reads_per_reader": th.get("map_reads_mean"),
         **{k: th.get(k) for k in ("plan_members", "plan_late", "no_plan", "first_lease_s", "last_lease_s",
-                                  "coord_busy_s", "coord_longest_wait_s", "map_wait_ms_mean")},
+                                  "coord_busy_s", "coord_longest_wait_s", "map_wait_ms_mean", "last_read_s",
+                                  "last_data_s", "data_s_max", "deliver")},
+        "ahead": bool(th.get("ahead")),
     }
     out["vs_bound"] = out["tensorhub"] / out["lower_bound"]
     out["vs_ring"] = out["ring"] / out["tensorhub"]
@@ -1395,7 +1516,8 @@ def validate(path: Path, args: argparse.Namespace) -> list[dict]:
         # the testbed's publisher is host a0: model it as the trainer on its own host
         nbytes = mib * (1 << 20)
         chunks = -(-nbytes // grid_chunk_bytes(nbytes))
-        a = argparse.Namespace(**dict(vars(args), rtt_us=args.testbed_rtt_us))
+        # (the testbed's readers call hub.fetch: nothing asked ahead)
+        a = argparse.Namespace(**dict(vars(args), rtt_us=args.testbed_rtt_us, ahead=False))
         # (the testbed's readers name the version: no resolve call)
         kw = dict(fixed_calls=1, readers=readers, max_sources=4, report_s=0.05, refresh_s=0.05, cpu_memory=True,
                   queue_s=TESTBED_QUEUE_S)
@@ -1520,6 +1642,15 @@ def main() -> int:
                     help="same-host reads: none (default: through Mooncake, the NIC, as the code does for GPU memory "
                          "and partial replicas), memfd (the code's memfd path: complete Hub-memory replicas only), "
                          "nvlink (a CUDA IPC path the code does not have)")
+    ap.add_argument("--ahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="chunkmap: readers follow the model and subscribe ahead (tensorhub/_ahead.py: leases held "
+                         "before the publish, bound in the publish's call, the plans fixed at once; the code's "
+                         "followers do this now); --no-ahead: the leases asked after the publish, queued")
+    ap.add_argument("--ahead-deliver", choices=("batch", "stream"), default="batch",
+                    help="asked ahead: batch (the code: every answer after the whole bind) or stream (NOT the code: "
+                         "each answer as soon as its grant is made)")
+    ap.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the other --ahead/--no-ahead model (same-host path of the table) and print both")
     ap.add_argument("--beside", choices=(*SAMEHOST_PATHS, "off"), default="nvlink",
                     help="the same workloads with this same-host path, printed beside (off: not run)")
     ap.add_argument("--memfd-gbps", type=float, default=MEMFD_BPS * 8 / 1e9, help="--samehost-path memfd: copy rate")
@@ -1589,6 +1720,9 @@ def main() -> int:
         k = kimi(args)
         results["kimi"] = k
         print_kimi(k)
+        print("  subscribe ahead (--ahead) changes nothing here: a sliced publish has no 'hf' layout, so the code "
+              "answers a follower's held lease with unknown_layout (_ahead.at_version), not read_slices; the "
+              "figures above are the sliced read, the same with --no-ahead")
     print(f"\n(simulated in {time.monotonic() - t_start:.0f} s wall, {args.jobs} process(es))")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2, default=str))
@@ -1609,7 +1743,14 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
               f"first come first served: resolve {c['resolve'] * 1e3:.3f} ms, manifest {c['manifest'] * 1e3:.3f}, "
               f"serving lease {c['lease'] * 1e3:.3f}, refresh {c['refresh'] * 1e3:.3f}, release+register "
               f"{c['release'] * 1e3:.3f}, heartbeats {c['heartbeat'] * 1e3:.3f} / {c['report'] * 1e3:.3f} every "
-              f"{HEARTBEAT_S:g} s; the plan's forming window {WINDOW * 1e3:.0f} ms (tensorhub._stripes.WINDOW); "
+              f"{HEARTBEAT_S:g} s; "
+              + (f"subscribed ahead (--ahead, the default): the publish's call binds every subscriber at "
+                 f"{c['bind'] * 1e3:.3f} ms each ({args.ahead_deliver}: "
+                 + ("every answer after the whole bind, as the code" if args.ahead_deliver == "batch" else
+                    "each answer as its grant is made, NOT the code") + f"), a wake-up {c['wake'] * 1e3:.3f} ms "
+                 "each (proxy), then each reader's manifest GET; " if getattr(args, "ahead", False) else
+                 "leases asked after the publish (--no-ahead); ")
+              + f"the plan's forming window {WINDOW * 1e3:.0f} ms (tensorhub._stripes.WINDOW); "
               f"chunk-map reads {args.rtt_us:g} us + their wait behind the reader's reads from that source"
               + (f" and {args.uplink_queue_ms:g} ms of uplink queue" if args.uplink_queue_ms else "")
               + f"; the read loop {LOOP_S * 1e6:.0f} us + {LOOP_S_PER_CHUNK * 1e6:.2f} us x chunks per chunk; "
@@ -1622,6 +1763,10 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
             "nvlink": "partial and complete replicas at NVLink speed (a CUDA IPC path the code does NOT have)"}[p]
             for p in paths))
     jobs = [(name, args, dcs, nodes, p) for name, dcs, nodes in plan for p in paths]
+    other = None  # --compare: the other --ahead / --no-ahead model, the table's same-host path
+    if getattr(args, "compare", False) and args.protocol == "chunkmap":
+        other = argparse.Namespace(**dict(vars(args), ahead=not args.ahead))
+        jobs += [(name, other, dcs, nodes, paths[0]) for name, dcs, nodes in plan]
     if args.jobs > 1 and len(jobs) > 1:
         import multiprocessing as mp
         # the largest first, so the two processes end together
@@ -1633,7 +1778,7 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
             outs[i] = o
     else:
         outs = [_job(j) for j in jobs]
-    by = {(o["workload"], o["datacenters"], o["gpus"], o["samehost"]): o for o in outs}
+    by = {(o["workload"], o["datacenters"], o["gpus"], o["samehost"], bool(o.get("ahead"))): o for o in outs}
     results["runs"] = outs
     head = f"{'workload':>10} {'DCs':>3} {'GPUs':>5} {'TH s':>6} {'bound':>6} {'/bound':>6} {'pub x':>5} " \
            f"{'xDC x':>5} {'in plan/late/none':>17} {'leases s':>10} {'coord s':>7} {'calls':>5}"
@@ -1642,7 +1787,7 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
     print(f"\nsame-host path '{paths[0]}'" + (f", and '{paths[1]}' beside it" if len(paths) > 1 else ""))
     print(head)
     for name, dcs, nodes in plan:
-        o = by[(name, dcs, nodes * 8, paths[0])]
+        o = by[(name, dcs, nodes * 8, paths[0], bool(getattr(args, "ahead", False)))]
         calls = "-" if o["calls_per_reader"] is None else f"{o['calls_per_reader']:.2f}"
         roles = "-" if o.get("plan_members") is None else f"{o['plan_members']}/{o['plan_late']}/{o['no_plan']}"
         leases = "-" if o.get("first_lease_s") is None else f"{o['first_lease_s']:.2f}-{o['last_lease_s']:.2f}"
@@ -1651,7 +1796,7 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
                f"{o['vs_bound']:>6.2f} {o['trainer_x']:>5.2f} {o['crossed_x']:>5.2f} {roles:>17} {leases:>10} " \
                f"{busy:>7} {calls:>5}"
         if len(paths) > 1:
-            b = by[(name, dcs, nodes * 8, paths[1])]
+            b = by[(name, dcs, nodes * 8, paths[1], bool(getattr(args, "ahead", False)))]
             line += f" | {b['tensorhub']:>14.2f} {b['vs_bound']:>6.2f} {b['trainer_x']:>5.2f}"
         print(line, flush=True)
     print("(TH s: seconds until every reader holds the version and its release+register was answered; bound: "
@@ -1662,6 +1807,34 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
           "no scarce source); 'leases s' = when the first and the last reader's lease was answered; 'coord s' = "
           "the coordinator's busy seconds; 'calls' = coordinator calls per reader; targets (issue 31): /bound "
           "<= 1.3 with same-host reads over the NIC, <= 1.2 with a same-host path; pub x <= 1.05)")
+    if other is not None:
+        print_ahead(by, plan, paths[0], bool(args.ahead))
+
+
+def print_ahead(by: dict, plan: list, path: str, main_ahead: bool) -> None:
+    """Subscribed ahead beside asked after the publish (one run, same-host path ``path``), and
+    where the time goes when asked ahead: when the last answer left the coordinator, when the
+    last reader started reading (its manifest GET answered), when the last chunk landed,
+    when the last release+register was answered."""
+    print(f"\nsubscribe ahead (the code's followers: Hub.fetch_next) vs leases after the publish (--no-ahead), "
+          f"same-host path '{path}'")
+    print(f"{'workload':>10} {'DCs':>3} {'GPUs':>5} | {'ahead /bound':>12} {'pub x':>5} {'plan/late/none':>14} "
+          f"{'answers s':>9} {'reading s':>9} {'data s':>6} {'done s':>6} {'calls':>5} | {'no-ahead /bound':>15} "
+          f"{'pub x':>5} {'plan/late/none':>14}")
+    for name, dcs, nodes in plan:
+        a = by.get((name, dcs, nodes * 8, path, True))
+        b = by.get((name, dcs, nodes * 8, path, False))
+        if a is None or b is None:
+            continue
+        ra = f"{a['plan_members']}/{a['plan_late']}/{a['no_plan']}"
+        rb = f"{b['plan_members']}/{b['plan_late']}/{b['no_plan']}"
+        print(f"{name:>10} {dcs:>3} {a['gpus']:>5} | {a['vs_bound']:>12.2f} {a['trainer_x']:>5.2f} {ra:>14} "
+              f"{a['last_lease_s']:>9.3f} {a['last_read_s']:>9.3f} {a['last_data_s']:>6.3f} {a['tensorhub']:>6.3f} "
+              f"{a['calls_per_reader']:>5.2f} | {b['vs_bound']:>15.2f} {b['trainer_x']:>5.2f} {rb:>14}")
+    print("(asked ahead: 'answers s' = the last held lease answered (the bind of every subscriber, one state call, "
+          "then the wake-ups: COORD_MS bind, wake); 'reading s' = the last reader reading (its manifest GET "
+          "answered, queued); 'data s' = the last chunk landed; 'done s' = the last release+register answered; "
+          "bound as above)")
 
 
 if __name__ == "__main__":

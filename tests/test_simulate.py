@@ -214,3 +214,52 @@ def test_kimi_scenario_prints_beside_the_published_figures(tmp_path: Path):
     assert k["tensorhub"] >= k["bound_whole"] > k["bound_own_share"]
     # per GPU: resolve, the refused hf lease, a manifest + lease + release per slice, the assembled copy
     assert k["calls_per_gpu"] >= 2 + 3 * 16 + 1
+
+
+@pytest.mark.parametrize("deliver", ["batch", "stream"])
+def test_subscribed_ahead_every_reader_is_a_member_of_a_plan_fixed_at_the_publish(deliver):
+    """Subscribe ahead (tensorhub/_ahead.py, the default of the benchmark): every lease is held
+    before the publish and bound in the publish's call (COORD_MS['bind'] each, back to back),
+    the plan's layout fixed with every reader in it (Plan.fix: none late, no refresh); the
+    answers leave after the whole bind (batch, the code) or one by one (stream, not the code);
+    then each reader's manifest GET, its reads, its release+register: 3 calls."""
+    S = _sim()
+    cl = S.Cluster(nodes=4, nodes_per_zone=2)
+    nbytes = 8 * S.GiB
+    sim = S.MapSim(cl, nbytes, 128, readers=tuple(range(32)), max_sources=4, ahead=True, deliver=deliver)
+    out = sim.run()
+    rs = list(sim.mreaders.values())
+    assert all(r.have == set(range(128)) for r in rs)
+    assert (out["plan_members"], out["plan_late"], out["no_plan"]) == (32, 0, 0)
+    assert all(r.refreshes == 0 and r.stalls == 0 and r.plan_refresh == 0 for r in rs)
+    assert out["calls_max"] == 3 and out["calls_mean"] == 3
+    served = out["coord_served"]
+    assert served["bind"] == served["manifest"] == served["release"] == 32 and "lease" not in served
+    assert nbytes <= out["from_trainer_bytes"] <= 1.05 * nbytes
+    bind, wake = S.COORD_MS["bind"] / 1e3, S.COORD_MS["wake"] / 1e3
+    plan = next(iter(sim.plans.values()))
+    assert sim.bind_order == [int(w) for w in plan.members]  # answered in plan order
+    first = sim.mreaders[sim.bind_order[0]].start_t
+    if deliver == "batch":  # nobody's answer before the whole bind (and its wake-up)
+        assert first == pytest.approx(32 * bind + wake, rel=1e-6)
+        assert out["last_lease_s"] == pytest.approx(32 * (bind + wake), rel=1e-6)
+    else:
+        assert first == pytest.approx(bind, rel=1e-6) and out["last_lease_s"] == pytest.approx(32 * bind, rel=1e-6)
+    assert all(r.read_t > r.start_t for r in rs)  # each reads once its manifest GET was answered
+    # asked after the publish, the same readers take longer (the leases queue, a forming window)
+    after = S.MapSim(cl, nbytes, 128, readers=tuple(range(32)), max_sources=4).run()
+    assert out["seconds"] < after["seconds"]
+
+
+def test_subscribed_ahead_across_datacenters_the_others_get_the_usual_grant():
+    """Readers whose datacenter has no complete replica are not put into a home plan up
+    front (``Grants.join_ahead``): they get the usual grant right after, in the same bind."""
+    S = _sim()
+    cl = S.Cluster(nodes=4, nodes_per_zone=2, dcs=2)
+    sim = S.MapSim(cl, 8 * S.GiB, 128, readers=tuple(range(32)), max_sources=4, ahead=True)
+    out = sim.run()
+    rs = list(sim.mreaders.values())
+    assert all(r.have == set(range(128)) for r in rs)
+    home = [r.wid for r in rs if r.loc.datacenter == "dc0"]
+    assert sim.bind_order[:len(home)] != [] and set(sim.bind_order[:len(home)]) == set(home)
+    assert out["coord_served"]["bind"] == 32
