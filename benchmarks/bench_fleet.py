@@ -25,6 +25,10 @@ Two protocols (``--protocol``):
     python benchmarks/bench_fleet.py                # 10,000 workers, 1,024 readers, 50,000 tensors
     python benchmarks/bench_fleet.py --workers 300 --readers 12 --fleet-tensors 300 --chunks 64 128 --history 3 30
     python benchmarks/bench_load.py --fleet ...     # the same (bench_load's fleet mode lives here)
+    python benchmarks/bench_fleet.py --burst --repeat 3   # issue 31's lease burst: 1,024 leases asked ahead vs the usual way
+
+``--burst`` (``run_burst``): N followers answered at one publish, their leases asked ahead
+(``tensorhub._ahead``) against the usual way side by side; see the section's comment.
 
 ``run_fleet(...)`` is what ``tests/test_load.py`` calls (shortened, no timing assertions).
 """
@@ -840,6 +844,372 @@ def run_fleet(*, workers: int = 10_000, readers: int = 1024, tensors: int = 50_0
     return out
 
 
+# ---------------------------------------------------------------------- lease burst (issue 31)
+# ``--burst``: N followers of a model on the real coordinator process, the data plane left
+# out (nothing is read: the figure is the control plane's). The publisher registers v2 and
+# the clock runs from the moment its registration is sent:
+#
+# * ``ahead`` (``tensorhub._ahead``, what ``Hub.fetch_next`` does): every reader holds its
+#   lease for v2 asked ahead (``POST /v1/leases?wait=``, its serve offer named by the
+#   ``shape_digest`` of v1's manifest, addresses as runs, chunk map fields), polled again
+#   with the same request id if a poll lapses (``PipelinedSources._acquire``). Once
+#   ``/v1/status`` lists all N subscribers, v2 is registered: the coordinator binds them all
+#   into one fixed plan in that call and answers them in plan order. Then each reader GETs
+#   v2's manifest (its checksums: ``Fetch._bind``), after its plan is known.
+# * ``baseline`` (the usual way, ``_next.fetch_next``'s ``usual``, bench_fleet's chunkmap
+#   reader): every reader holds ``GET .../latest?newer_than=1&wait=`` (``wait_for_version``);
+#   woken by the registration, it GETs the manifest, asks for its pipelined serving lease
+#   and refreshes it after ``refresh_after`` while the plan forms (``follow_plan``); its
+#   plan answer is the first with ``refresh_after == 0`` (the fixed layout, or a late
+#   joiner's place).
+#
+# Nobody heart-beats during the window (the workers' TTL outlasts the run): the CPU measured
+# is the burst's. Each mode runs on a fresh coordinator of the same configuration.
+
+BURST_MODES = ("ahead", "baseline")
+#: Readers on one host label (a host of 8 GPUs).
+BURST_PER_HOST = 8
+
+
+@dataclass
+class _Burst:
+    """One reader's answers in a burst (seconds from sending the registration)."""
+
+    first: Optional[float] = None  # its first lease answer
+    plan: Optional[float] = None  # its answer with refresh_after == 0
+    ready: Optional[float] = None  # plan known and manifest read
+    polls: int = 0  # held polls answered "pending" (asked again)
+    grant: Optional[dict] = None  # the plan answer
+    leases: int = 0  # lease answers (new + refreshes)
+
+
+def _checksummed(man: dict, seed: int) -> dict:
+    """``man`` with one xxh3_64 checksum per chunk of its grid (random values: a new
+    version, the same tensors), as the Hub publishes."""
+    from tensorhub._checksum import count
+
+    rng = random.Random(seed)
+    n = count([t["nbytes"] for t in man["tensors"]])
+    return dict(man, checksum="xxh3_64", checksums=[rng.getrandbits(64) for _ in range(n)])
+
+
+async def _drive_burst(url: str, pid: int, *, mode: str, readers: int, tensors: int, chunks: int,
+                       wait: float, seed: int) -> dict:
+    from tensorhub._addresses import encode
+    from tensorhub._grid import grid_chunk_bytes
+    from tensorhub._wire import Manifest, manifest_digest, shape_digest
+
+    fl = _Fleet(url, pid, readers + 32, seed)
+    model = "policy"
+    trainer = "sim-00000"
+    reader_ids = [f"sim-{i:05d}" for i in range(1, readers + 1)]
+    t_setup = time.perf_counter()
+    await fl.register([trainer])  # its own host (h0)
+    # readers: BURST_PER_HOST per host label (h1, h2, ...)
+    await fl.register(reader_ids, start=BURST_PER_HOST)
+    await fl.http.warm(readers + 1)  # each reader's connection (a Hub's client keeps its own)
+    base_man = moe_manifest(tensors, chunks)
+    m1, m2 = _checksummed(base_man, seed), _checksummed(base_man, seed + 1)
+    j1, j2 = json.dumps(m1).encode(), json.dumps(m2).encode()
+    addrs_json = json.dumps([(1 << 40) + k * (1 << 28) for k in range(tensors)]).encode()
+    v1 = await fl.publish(model, trainer, j1, addrs_json)
+    man1, man2 = Manifest.model_validate(m1), Manifest.model_validate(m2)
+    chunk_bytes = grid_chunk_bytes(man1.nbytes)
+    offs, off = [], 0
+    for t in base_man["tensors"]:  # the Hub's layout of a reader's copy: in order, 64-byte aligned
+        offs.append(off)
+        off += -(-t["nbytes"] // 64) * 64
+    enc = encode(offs, man1)
+    runs0 = None if enc is None else enc.model_dump(mode="json")
+    digest = shape_digest(man1) if mode == "ahead" else manifest_digest(man2)
+
+    def offer(wid: str) -> dict:
+        base = (1 << 44) + (int(wid.rsplit("-", 1)[1]) << 32)
+        where = ({"address_runs": {"align": runs0["align"], "runs": [[a + base, c] for a, c in runs0["runs"]]}}
+                 if runs0 is not None else {"addresses": [base + o for o in offs]})
+        return {"manifest_digest": digest, **where, "chunk_bytes": chunk_bytes, "num_chunks": chunks,
+                "status_addr": base - 4096, "status_tag": fl.rng.getrandbits(63) | 1}
+
+    def lease_body(wid: str, v: int) -> dict:  # ``PipelinedSources._acquire`` via ``Session.lease``
+        return {"worker_id": wid, "model": model, "version": v, "layout": "hf", "shard": 0, "max_sources": 4,
+                "exclude": [], "pipelined": True, "lease_id": None, "manifest": False,
+                "address_runs": True, "lease_secret": True}
+
+    res = {w: _Burst() for w in reader_ids}
+    t0 = 0.0  # set when the registration is sent
+    go = asyncio.Event()  # the registration was sent (nobody's answer counts before)
+    cpu_at: dict[str, float] = {}
+    counts = {"plan": 0, "ready": 0}
+    mpath = "/v1/models/{m}/versions/{v}/manifest?layout=hf&shard=0"
+
+    def landed(what: str, r: _Burst, at: float) -> None:
+        setattr(r, what, at - t0)
+        counts[what] += 1
+        if what == "plan" and counts[what] == 1:
+            cpu_at["first"] = _cpu(pid)
+        if counts[what] == readers:
+            cpu_at[what] = _cpu(pid)
+
+    async def subscriber(wid: str) -> None:
+        r = res[wid]
+        body = json.dumps(dict(lease_body(wid, v1 + 1), request_id=secrets.token_hex(12), serve=offer(wid),
+                               ahead=True)).encode()
+        while True:
+            st, data = await fl.call("POST leases?wait (ahead)", "POST", f"/v1/leases?wait={wait:g}", raw=body,
+                                     parse=False)
+            at = time.perf_counter()
+            if st == 200 and data and json.loads(data).get("pending"):
+                r.polls += 1
+                continue  # asked again, same request id: keeps its place
+            break
+        if st != 200 or not data:
+            return
+        if not go.is_set():
+            fl._error("POST leases?wait (ahead)", "answered before the publish")
+            return
+        g = json.loads(data)
+        r.grant, r.leases = g, 1
+        r.first = at - t0
+        landed("plan", r, at)
+        st, _ = await fl.call("GET manifest", "GET", mpath.format(m=model, v=g["version"]), parse=False)
+        if st == 200:
+            landed("ready", r, time.perf_counter())
+
+    async def follower(wid: str) -> None:
+        r = res[wid]
+        while True:  # ``Hub.wait_for_version``
+            st, a = await fl.call("GET latest?wait (held)", "GET",
+                                  f"/v1/models/{model}/latest?newer_than={v1}&wait={wait:g}")
+            if st == 200 and a and a.get("version") is None:
+                r.polls += 1
+                continue
+            break
+        if st != 200 or not a:
+            return
+        v = int(a["version"])
+        st, _ = await fl.call("GET manifest", "GET", mpath.format(m=model, v=v), parse=False)
+        if st != 200:
+            return
+        lb = lease_body(wid, v)
+        st, g = await fl.call("POST leases (new, serving)", "POST", "/v1/leases",
+                              dict(lb, request_id=secrets.token_hex(12), serve=offer(wid)))
+        r.first = time.perf_counter() - t0
+        r.leases = 1
+        for _ in range(4):  # ``PipelinedReader.follow_plan``: once at refresh_after (an early member: twice)
+            if st != 200 or not g:
+                return
+            if not (g.get("stripes") and g.get("refresh_after", 0.0) > 0):
+                break
+            await asyncio.sleep(g["refresh_after"])
+            st, g = await fl.call("POST leases (refresh)", "POST", "/v1/leases", dict(lb, lease_id=g["lease_id"]))
+            r.leases += 1
+        if st == 200 and g:
+            r.grant = g
+            at = time.perf_counter()
+            landed("plan", r, at)
+            landed("ready", r, at)
+
+    tasks = [asyncio.ensure_future((subscriber if mode == "ahead" else follower)(w)) for w in reader_ids]
+    # every reader held: the subscriptions (ahead) or the latest polls (baseline) are in
+    deadline = time.perf_counter() + 300
+    held = 0
+    while time.perf_counter() < deadline:
+        if mode == "ahead":
+            st, s = await fl.call("GET status", "GET", "/v1/status", pool=fl.hb)
+            held = len((s or {}).get("subscribers", ()))
+        else:  # (the latest polls: one open request each; their count is not in status)
+            await asyncio.sleep(0.5)
+            held = readers if fl.http.idle.qsize() <= 1 else 0
+        if held >= readers:
+            break
+        await asyncio.sleep(0.25)
+    if held < readers:
+        raise RuntimeError(f"{mode}: only {held} of {readers} readers held after 300 s: {fl.setup_errors}")
+    await asyncio.sleep(0.5)
+    c_idle, t_idle = _cpu(pid), time.perf_counter()
+    await asyncio.sleep(1.0)  # the coordinator with N held requests and nothing else
+    idle_rate = (_cpu(pid) - c_idle) / (time.perf_counter() - t_idle)
+    setup_s = time.perf_counter() - t_setup
+    _, a = await fl.call("publish", "POST", f"/v1/models/{model}/versions", {})
+    v2 = int(a["version"])
+    body = _replica_body(trainer, model, v2, j2, addrs_json)
+    load = os.getloadavg()
+    ph = fl.phase = Phase("burst", chunks, 2)
+    c0, m0, g0 = _cpu(pid), _machine_busy()[0], time.process_time()
+    t0 = time.perf_counter()
+    go.set()
+    st, reg = await fl.call("POST replicas (publisher)", "POST", "/v1/replicas", raw=body, pool=fl.hb)
+    t_reg, c_reg = time.perf_counter() - t0, _cpu(pid)
+    if st != 200 or not reg:
+        raise RuntimeError(f"the publisher's registration failed: {st} {reg}")
+    await asyncio.wait(tasks, timeout=wait + 60)
+    t_end = time.perf_counter() - t0
+    c_end, m_end, g_end = _cpu(pid), _machine_busy()[0], time.process_time()
+    await asyncio.sleep(1.0)  # what the coordinator still did after the last answer (group commit, ...)
+    c_tail = _cpu(pid)
+    fl.phase = None
+    for t in tasks:
+        if not t.done():
+            t.cancel()
+    await fl.http.close()
+    await fl.hb.close()
+
+    rs = list(res.values())
+    plans = [r.plan for r in rs if r.plan is not None]
+    firsts = [r.first for r in rs if r.first is not None]
+    readies = [r.ready for r in rs if r.ready is not None]
+    grants = [r.grant for r in rs if r.grant is not None]
+    pub = reg["replica_id"]
+    bad = []  # ahead: grants that are not a fixed plan's answer for v2
+    reasons: dict[str, int] = {}
+    for w, r in res.items():
+        g = r.grant
+        if g is None:
+            bad.append(f"{w}: no grant")
+            continue
+        why = g.get("reason", "")
+        kind = ("late carrier" if "late carrier" in why else "late" if "late" in why else
+                "forming" if "forming" in why else "member" if "member" in why else why[:40] or "(none)")
+        reasons[kind] = reasons.get(kind, 0) + 1
+        if mode == "ahead":
+            checks = (("version", g.get("version") == v2), ("refresh_after", g.get("refresh_after", 0) == 0),
+                      ("stripes", g.get("stripes", 0) > 0), ("partial_replica_id", bool(g.get("partial_replica_id"))),
+                      ("reason", "forming" not in why and "late" not in why))
+            faults = [x for x, ok in checks if not ok]
+            if faults:
+                bad.append(f"{w}: {faults} {why!r} {g.get('serve_refused', '')!r}")
+    stripes = max((g.get("stripes", 0) for g in grants), default=0)
+    root_per_stripe = [sum(1 for g in grants if (g.get("stripe_sources") or [""] * stripes)[s:s + 1] == [pub])
+                       for s in range(stripes)]
+    cpu_plan = cpu_at.get("plan", c_end) - c0
+    cpu_ready = cpu_at.get("ready", c_end) - c0
+    # from the first plan answer to the last: ahead, the wake-ups alone (every grant was
+    # made and encoded before the first was sent)
+    cpu_spread = cpu_at.get("plan", c_end) - cpu_at.get("first", c0)
+    spread = max(plans, default=float("nan")) - min(plans, default=float("nan"))
+    return {"mode": mode, "readers": readers, "tensors": tensors, "chunks": chunks, "version": v2,
+            "manifest_mb": round(len(j2) / 1e6, 2), "setup_s": round(setup_s, 1), "loadavg": [round(x, 2) for x in load],
+            "idle_cores": round(idle_rate, 4), "registration_s": t_reg,
+            "first_s": min(firsts, default=float("nan")), "plan_p50_s": _pct(plans, 0.5),
+            "plan_p99_s": _pct(plans, 0.99), "last_plan_s": max(plans, default=float("nan")),
+            "last_ready_s": max(readies, default=float("nan")), "window_s": t_end,
+            "spread_per_reader_us": spread / max(1, readers) * 1e6,
+            "cpu_spread_per_reader_us": cpu_spread / max(1, readers) * 1e6,
+            "planned": len(plans), "ready": len(readies),
+            "cpu_registration_s": c_reg - c0, "cpu_plan_s": cpu_plan, "cpu_ready_s": cpu_ready,
+            "cpu_tail_s": c_tail - c_end, "cpu_per_reader_ms": cpu_plan / max(1, readers) * 1e3,
+            "cpu_ready_per_reader_ms": cpu_ready / max(1, readers) * 1e3,
+            "generator_cpu_s": g_end - g0, "machine_cores": (m_end - m0) / t_end if t_end else 0.0,
+            "calls": dict(sorted(ph.calls.items())),
+            # (the held poll was sent before the window: counted here, with any poll asked again)
+            "calls_per_reader": round((sum(ph.calls.values()) + readers + sum(r.polls for r in rs)) / max(1, readers), 2),
+            "lease_answers_per_reader": round(sum(r.leases for r in rs) / max(1, readers), 2),
+            "repolls": sum(r.polls for r in rs), "reasons": reasons, "stripes": stripes,
+            "publisher_replica": pub, "publisher_per_stripe": root_per_stripe,
+            "bad": bad, "errors": {**fl.setup_errors, **ph.errors},
+            "grants": grants}
+
+
+def run_burst(*, readers: int = 1024, tensors: int = 50_000, chunks: int = 256, wait: float = 60.0,
+              modes: tuple[str, ...] = BURST_MODES, repeat: int = 1, seed: int = 0,
+              keep_grants: bool = False) -> dict:
+    """The lease burst (see the section's comment): for each of ``repeat`` rounds, each mode
+    on a fresh coordinator process (same configuration); returns {"runs": [{mode: figures}]}
+    and the medians per mode. ``keep_grants``: the plan answers stay in the figures."""
+    import resource
+    import statistics
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * readers + 512  # the generator's connections, and the coordinator's (it inherits the limit)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
+    runs: list[dict] = []
+    for k in range(repeat):
+        one: dict = {}
+        for mode in modes:
+            with tempfile.TemporaryDirectory(prefix="th-burst-") as tmp:
+                coord = CoordinatorProc(Path(tmp) / "state", worker_ttl=600.0)
+                try:
+                    out = _run_loop(_drive_burst(coord.url, coord.proc.pid, mode=mode, readers=readers,
+                                                 tensors=tensors, chunks=chunks, wait=wait, seed=seed + k))
+                    out["coordinator_alive"] = coord.alive
+                finally:
+                    coord.stop()
+            if not keep_grants:
+                out.pop("grants")
+            one[mode] = out
+        runs.append(one)
+    med: dict = {}
+    for mode in modes:
+        rows = [r[mode] for r in runs]
+        med[mode] = {k: statistics.median(r[k] for r in rows) for k, v in rows[0].items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {"runs": runs, "median": med, "modes": list(modes), "readers": readers, "tensors": tensors,
+            "chunks": chunks, "repeat": repeat}
+
+
+def report_burst(out: dict) -> str:
+    modes = out["modes"]
+    med = out["median"]
+    first = out["runs"][0][modes[0]]
+    lines = [f"lease burst: {out['readers']} readers ({BURST_PER_HOST} per host label), {out['tensors']} tensors "
+             f"({first['manifest_mb']} MB manifest with checksums), {out['chunks']} chunks; each mode on a fresh "
+             f"coordinator; medians of {out['repeat']} run(s); times from sending the publisher's registration"]
+    both = "ahead" in med and "baseline" in med
+    lines.append(f"{'figure':<46}" + "".join(f"{m:>11}" for m in modes) + (f"{'ahead/base':>12}" if both else ""))
+
+    def row(label: str, key: str, scale: float = 1.0, fmt: str = "{:.1f}") -> None:
+        vals = [med[m][key] * scale for m in modes]
+        s = f"{label:<46}" + "".join(f"{fmt.format(v):>11}" for v in vals)
+        if both:
+            a, b = med["ahead"][key], med["baseline"][key]
+            s += f"{(a / b if b else float('nan')):>12.2f}"
+        lines.append(s)
+
+    row("publisher's registration answered, ms", "registration_s", 1e3)
+    row("first lease answer, ms", "first_s", 1e3)
+    row("plan answer p50, ms", "plan_p50_s", 1e3)
+    row("last plan answer (refresh_after 0), ms", "last_plan_s", 1e3)
+    row("last reader with plan + manifest, ms", "last_ready_s", 1e3)
+    row("first to last plan answer, per reader, us", "spread_per_reader_us", fmt="{:.0f}")
+    row("  coordinator CPU in it, per reader, us", "cpu_spread_per_reader_us", fmt="{:.0f}")
+    row("coordinator CPU to last plan answer, s", "cpu_plan_s", fmt="{:.3f}")
+    row("  per reader, ms", "cpu_per_reader_ms", fmt="{:.3f}")
+    row("coordinator CPU to plan + manifest, s", "cpu_ready_s", fmt="{:.3f}")
+    row("  per reader, ms", "cpu_ready_per_reader_ms", fmt="{:.3f}")
+    row("  of which the registration (to its answer), s", "cpu_registration_s", fmt="{:.3f}")
+    row("coordinator CPU in the 1 s after, s", "cpu_tail_s", fmt="{:.3f}")
+    row("coordinator cores while N held (idle), cores", "idle_cores", fmt="{:.3f}")
+    row("HTTP calls per reader in the window", "calls_per_reader", fmt="{:.2f}")
+    row("lease answers per reader", "lease_answers_per_reader", fmt="{:.2f}")
+    row("readers with a plan answer", "planned", fmt="{:.0f}")
+    row("generator CPU (this process), s", "generator_cpu_s", fmt="{:.2f}")
+    row("machine cores busy in the window", "machine_cores", fmt="{:.2f}")
+    for k, r in enumerate(out["runs"]):
+        parts = []
+        for m in modes:
+            x = r[m]
+            parts.append(f"{m}: last plan {x['last_plan_s'] * 1e3:.0f} ms, CPU {x['cpu_plan_s']:.3f} s, "
+                         f"load {x['loadavg'][0]}, reasons {x['reasons']}, publisher per stripe "
+                         f"{x['publisher_per_stripe']}, re-polls {x['repolls']}"
+                         + (f", BAD {len(x['bad'])}: {x['bad'][:3]}" if x["bad"] else "")
+                         + (f", errors {x['errors']}" if x["errors"] else ""))
+        lines.append(f"run {k + 1}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def run_burst_main(a: argparse.Namespace) -> int:
+    out = run_burst(readers=a.readers, tensors=a.fleet_tensors, chunks=a.chunks[0], wait=a.burst_wait,
+                    modes=tuple(a.burst_modes), repeat=a.repeat, seed=a.seed)
+    print(report_burst(out))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(out, indent=2))
+    ok = all(not x["bad"] and not x["errors"] and x["coordinator_alive"] and x["planned"] == x["readers"]
+             for r in out["runs"] for x in r.values())
+    return 0 if ok else 1
+
+
 def _mark(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
@@ -955,6 +1325,12 @@ def add_arguments(p: argparse.ArgumentParser, workers_default: int = 10_000) -> 
                    help="run twice, the coordinator's gate for readers' calls off (--call-slots 0) then on")
     f.add_argument("--addresses", choices=("runs", "plain"), default="runs",
                    help="chunkmap readers' addresses: runs, as the Hub sends them (default), or plain lists")
+    b = p.add_argument_group("lease burst (--burst, issue 31): N followers answered at one publish, leases asked "
+                             "ahead vs the usual way (uses --readers, --fleet-tensors, the first --chunks, --seed, --json)")
+    b.add_argument("--burst", action="store_true", help="run the lease burst instead of the fleet phases")
+    b.add_argument("--burst-modes", nargs="+", choices=BURST_MODES, default=list(BURST_MODES))
+    b.add_argument("--burst-wait", type=float, default=60.0, help="seconds one held poll lasts (?wait=)")
+    b.add_argument("--repeat", type=int, default=1, help="rounds (each mode on a fresh coordinator); medians printed")
 
 
 def report_gate(off: dict, on: dict) -> str:
@@ -977,6 +1353,8 @@ def report_gate(off: dict, on: dict) -> str:
 
 
 def run_main(a: argparse.Namespace, workers: Optional[int] = None) -> int:
+    if getattr(a, "burst", False):
+        return run_burst_main(a)
     kw = dict(workers=a.workers if workers is None else workers, readers=a.readers, tensors=a.fleet_tensors,
               chunks=tuple(a.chunks), history=tuple(a.history), history_tensors=a.history_tensors,
               heartbeat=a.heartbeat, link_gbps=a.link_gbps, connections=max(a.connections, 32), seed=a.seed,

@@ -128,3 +128,34 @@ def test_route_costs_bookkeeping():
     assert routes["lease refresh"]["n"] == routes["complete + release"]["n"] == 6
     for got in ("GET manifest: the first (encodes)", "GET manifest: the others"):
         assert 0 < routes[got]["bytes"] < 0.25 * sent["bytes"], (routes[got], sent)  # gzipped
+
+
+def test_lease_burst_bookkeeping():
+    """``bench_fleet.py --burst`` (issue 31's lease burst), shortened: 16 followers hold their
+    lease for v2 asked ahead on the real coordinator process; one registration of v2 answers
+    every one with a grant of the fixed plan (v2, no refresh, striped, its partial replica
+    registered), the publisher's replica the source of each stripe for exactly one reader.
+    The usual way, side by side, gives every reader its plan answer too. No timing here."""
+    bench = _fleet()
+    readers = 16
+    out = bench.run_burst(readers=readers, tensors=300, chunks=64, wait=20.0, keep_grants=True)
+    print(bench.report_burst(out))
+    ahead, base = out["runs"][0]["ahead"], out["runs"][0]["baseline"]
+    for x in (ahead, base):
+        assert x["coordinator_alive"] and not x["errors"], x
+        assert x["planned"] == readers, x
+    assert not ahead["bad"], ahead["bad"]
+    grants = ahead["grants"]
+    assert len(grants) == readers
+    pub = ahead["publisher_replica"]
+    stripes = grants[0]["stripes"]
+    for g in grants:
+        assert g["version"] == ahead["version"] == 2, g
+        assert g.get("refresh_after", 0.0) == 0.0 and g["stripes"] == stripes > 0, g
+        assert g["partial_replica_id"] and not g.get("serve_refused"), g
+        assert "forming" not in g["reason"] and "late" not in g["reason"], g
+    for s in range(stripes):  # the publisher sends each stripe once: to one reader
+        assert sum(1 for g in grants if g["stripe_sources"][s] == pub) == 1, (s, [g["stripe_sources"] for g in grants])
+    assert len({g["partial_replica_id"] for g in grants}) == readers
+    assert ahead["calls"].get("GET manifest") == readers  # read once each, after the grant
+    assert base["calls"]["POST leases (new, serving)"] == readers
