@@ -17,7 +17,7 @@ seeding; ``pick_chunk`` for which chunk to read from which source; ``chunk_order
   with all of them (``Plan.join`` then ``Plan.fix``: none late, no refresh), the others get the
   usual grant right after; every answer leaves after the whole bind (``--ahead-deliver
   batch``, as ``_coordinator.Subscribers.deliver``; ``stream``: one by one, not the code), in
-  plan order, each woken request's answer written by the event loop (``wake``, a proxy); then
+  plan order, each woken request's answer written by the event loop (``wake``, bench_fleet --burst); then
   each reader GETs the version's manifest (queued) and reads. ``--no-ahead``: leases asked
   after the publish (resolve, manifest, lease, queued), as below; ``--compare`` (default)
   prints both. ``elastic``'s newcomers hold no earlier version: never ahead;
@@ -417,9 +417,11 @@ COORD_MS = {
     # median 0.176 ms (5 rounds 0.151-0.295; 180 ms for all 1,024, one state call under the
     # lock); the subscribe itself 0.001-0.002 ms in the state (before the publish: not modelled).
     "bind": 0.176,  # per subscriber, in the call that completes the version (all before any answer)
-    # Not measured (a proxy): the event loop writing one woken held request's answer, as a
-    # heartbeat (a whole small request: parse, state call, answer); issue 31's target ~0.02 ms.
-    "wake": 0.052,
+    # The event loop writing one woken held request's answer (the ASGI answer path; answers
+    # encoded in the bind): 107 us of coordinator CPU per answer sent, measured on the real
+    # coordinator process by ``python benchmarks/bench_fleet.py --burst --repeat 3`` (1,024
+    # subscribers; docs/operations/benchmarks.md, "A lease burst"); issue 31's target ~0.02 ms.
+    "wake": 0.107,
     # Not measured by bench_routes (used by the Kimi scenario's sliced read only; proxies):
     "lease_plain": 0.355,  # a lease without ``serve`` (nothing registered): as a refresh
     "release_plain": 0.355,  # a release without a registration: as a refresh
@@ -1748,7 +1750,7 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
                  f"{c['bind'] * 1e3:.3f} ms each ({args.ahead_deliver}: "
                  + ("every answer after the whole bind, as the code" if args.ahead_deliver == "batch" else
                     "each answer as its grant is made, NOT the code") + f"), a wake-up {c['wake'] * 1e3:.3f} ms "
-                 "each (proxy), then each reader's manifest GET; " if getattr(args, "ahead", False) else
+                 "each, then each reader's manifest GET; " if getattr(args, "ahead", False) else
                  "leases asked after the publish (--no-ahead); ")
               + f"the plan's forming window {WINDOW * 1e3:.0f} ms (tensorhub._stripes.WINDOW); "
               f"chunk-map reads {args.rtt_us:g} us + their wait behind the reader's reads from that source"
@@ -1787,7 +1789,8 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
     print(f"\nsame-host path '{paths[0]}'" + (f", and '{paths[1]}' beside it" if len(paths) > 1 else ""))
     print(head)
     for name, dcs, nodes in plan:
-        o = by[(name, dcs, nodes * 8, paths[0], bool(getattr(args, "ahead", False)))]
+        ah = bool(getattr(args, "ahead", False)) and name != "elastic"  # (elastic: never ahead)
+        o = by[(name, dcs, nodes * 8, paths[0], ah)]
         calls = "-" if o["calls_per_reader"] is None else f"{o['calls_per_reader']:.2f}"
         roles = "-" if o.get("plan_members") is None else f"{o['plan_members']}/{o['plan_late']}/{o['no_plan']}"
         leases = "-" if o.get("first_lease_s") is None else f"{o['first_lease_s']:.2f}-{o['last_lease_s']:.2f}"
@@ -1796,7 +1799,7 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
                f"{o['vs_bound']:>6.2f} {o['trainer_x']:>5.2f} {o['crossed_x']:>5.2f} {roles:>17} {leases:>10} " \
                f"{busy:>7} {calls:>5}"
         if len(paths) > 1:
-            b = by[(name, dcs, nodes * 8, paths[1], bool(getattr(args, "ahead", False)))]
+            b = by[(name, dcs, nodes * 8, paths[1], ah)]
             line += f" | {b['tensorhub']:>14.2f} {b['vs_bound']:>6.2f} {b['trainer_x']:>5.2f}"
         print(line, flush=True)
     print("(TH s: seconds until every reader holds the version and its release+register was answered; bound: "
