@@ -367,6 +367,21 @@ def fetch(st: WorkerState, version: int, layout: str = "hf", *, shard: int = 0,
     return got
 
 
+def fetch_next(st: WorkerState, after: int, *, into: Optional[Mapping[str, Any]] = None,
+               wait: float = 30.0) -> Any:
+    """The version after ``after``, its lease asked ahead (``Hub.fetch_next``: this rank is
+    in the version's plan from its first moment), into ``into`` (the kept copy) or new
+    memory, served when this rank serves; None when none was published within ``wait``."""
+    s = st.settings
+    t0 = time.monotonic()
+    got = st.hub.fetch_next(s.model, after, into=into, wait=wait, timeout=s.fetch_timeout)
+    if got is not None:
+        logger.info("tensorhub: fetched %s v%d asked ahead: %.1f MB in %.2fs (%.2f GB/s) from %s%s; %.2fs after "
+                    "the ask", s.model, got.version, got.nbytes / 1e6, got.seconds, got.gbps, got.sources,
+                    "; into the kept copy of an older version" if into is not None else "", time.monotonic() - t0)
+    return got
+
+
 # ---------------------------------------------------------------- serving the parameters
 def serve_in_place(st: WorkerState, tensors: Mapping[str, Any], version: int, shard: int, num_shards: int) -> None:
     """Register the rank's parameters (``tensors``: the adapter's ``native_tensors``, no

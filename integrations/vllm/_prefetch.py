@@ -8,6 +8,14 @@ fleet can already read it from this engine). A later ``update_weights`` to that 
 finds it local: the swap's stall is the apply alone. An update that arrives while that
 very version is being prefetched waits for it instead of fetching it twice.
 
+Once the publisher is seen to publish no deltas (a version read the usual way found none
+from the version before), the next version's lease is asked ahead (``Hub.fetch_next``): the
+thread asks while the engine still runs the current one, and at the publish this rank is
+in the version's plan from its first moment instead of queueing with the fleet (issue 31).
+Each version read so is checked for deltas afterwards (one call, off the critical path): if
+the publisher has started publishing them, the next version is read the usual way again,
+through them.
+
 Only the newest prefetched version is kept: when a newer one lands first, the older copy
 is retired like a swapped-out one (unpublished once its readers drained, then kept as the
 spare). Memory: one more model-size copy (the prefetched version) between a publish and
@@ -39,6 +47,8 @@ class Prefetcher:
         self._ready: Optional[tuple[int, Any]] = None  # (version, Fetched)
         self._busy: Optional[int] = None  # the version being fetched now
         self._stop = threading.Event()
+        #: Ask the next version's lease ahead (no deltas seen): see the module docstring.
+        self._ahead = False
         self._thread = threading.Thread(target=self._run, name="tensorhub-prefetch", daemon=True)
 
     def start(self) -> "Prefetcher":
@@ -60,6 +70,11 @@ class Prefetcher:
 
         st, s = self.st, self.st.settings
         while not self._stop.is_set():
+            if self._ahead and self._newest_known():
+                if self._run_ahead():
+                    continue
+                self._stop.wait(1.0)
+                continue
             try:
                 v = st.hub.wait_for_version(s.model, newer_than=self._newest_known(), timeout=self.poll)
             except tensorhub.HubTimeoutError:
@@ -81,18 +96,57 @@ class Prefetcher:
                 got = worker.fetch(st, v, into=spare, base=st.spare_base(spare, v))
             except Exception as e:
                 logger.warning("tensorhub: prefetching %s v%d failed (%s); the swap will fetch it", s.model, v, e)
-            old = None
-            with self._cond:
-                self._busy = None
-                if got is not None:
-                    old, self._ready = self._ready, (v, got)
-                    logger.info("tensorhub: prefetched %s v%d in %.2fs while serving v%s", s.model, v,
-                                time.monotonic() - t0, st.version)
-                self._cond.notify_all()
-            if old is not None:
-                self._retire(*old, reason=f"v{v} was prefetched before a swap to it")
+            if got is not None:  # no delta from the version before: ask the next one ahead
+                skipped = getattr(got, "delta_skipped", None) or ""
+                self._ahead = getattr(got, "delta", None) is None and skipped.startswith("no direct delta")
+            self._landed(v, got, t0)
             if got is None:
                 self._stop.wait(1.0)
+
+    def _landed(self, v: int, got: Any, t0: float) -> None:
+        old = None
+        with self._cond:
+            self._busy = None
+            if got is not None:
+                old, self._ready = self._ready, (v, got)
+                logger.info("tensorhub: prefetched %s v%d in %.2fs while serving v%s", self.st.settings.model, v,
+                            time.monotonic() - t0, self.st.version)
+            self._cond.notify_all()
+        if old is not None:
+            self._retire(*old, reason=f"v{v} was prefetched before a swap to it")
+
+    def _run_ahead(self) -> bool:
+        """One ask ahead for the version after the newest known (held up to ``poll``); False
+        when it failed (then the usual way again)."""
+        from .._core import worker
+
+        st, s = self.st, self.st.settings
+        after = self._newest_known()
+        with self._cond:
+            self._busy = after + 1  # (the likely next number: a swap to it waits for this read)
+        t0 = time.monotonic()
+        spare = st.take_spare()
+        got = None
+        try:
+            got = worker.fetch_next(st, after, into=spare, wait=self.poll)
+        except Exception as e:
+            logger.warning("tensorhub: prefetching the version after %s v%d failed (%s); the swap will fetch it",
+                           s.model, after, e)
+            self._ahead = False
+        if got is None:
+            with self._cond:
+                self._busy = None
+                self._cond.notify_all()
+            if spare is not None and st.spare is None and self._ahead:  # nothing came: nothing was written
+                st.spare = spare
+            return self._ahead
+        self._landed(got.version, got, t0)
+        try:  # has the publisher started publishing deltas? then read through them again
+            info = st.hub.version_info(s.model, got.version)
+            self._ahead = not any(l.startswith("delta:") for l in (info.layouts if info is not None else {}))
+        except Exception:
+            pass
+        return True
 
     def _retire(self, v: int, got: Any, reason: str) -> None:
         if v == self.st.version:  # the engine swapped to it by another path: it is the copy now

@@ -65,6 +65,30 @@ def test_prefetched_version_swaps_without_a_transfer(tmp_path):
         got = trainer.fetch("policy", v2, serve=False)  # the engine's copy, every byte
         assert set(got.sources) == {"engine-p"} and _digest(got) == _digest(w2)
         assert v1 < v2
+        # v2 came without a delta: the engine now asks v3's lease ahead, before v3 exists
+        end = time.monotonic() + 60
+        while not any(s["worker_id"] == "engine-p" and s["version"] == v2 + 1
+                      for s in trainer.api.get("/v1/status")["subscribers"]):
+            assert time.monotonic() < end, eng.log_tail()
+            time.sleep(0.2)
+        w3 = make_weights(2)
+        v3 = trainer.publish("policy", w3)
+        end = time.monotonic() + 60
+        while "engine-p" not in {r["worker_id"] for m in trainer.api.get("/v1/status")["models"]
+                                 for v in m["versions"] if v["version"] == v3 for r in v["replicas"]
+                                 if r["partial"] is None}:
+            assert time.monotonic() < end, eng.log_tail()
+            time.sleep(0.2)
+        eng.call("start_weight_update")
+        eng.call("update_weights", update_info={"version": v3})
+        eng.call("finish_weight_update", weight_version=str(v3))
+        log = eng.log_tail(400_000)  # (the worker's lines come through once it answered the swap)
+        line = next(l for l in log.splitlines() if f"-> v{v3}:" in l)
+        assert "prefetched before the swap" in line, line
+        assert f"fetched policy v{v3} asked ahead" in log, log[-3000:]
+        trainer.unpublish("policy", v3, timeout=30)
+        got = trainer.fetch("policy", v3, serve=False)  # the engine's copy, read into the kept one
+        assert set(got.sources) == {"engine-p"} and _digest(got) == _digest(w3)
     finally:
         if eng is not None:
             eng.close()
