@@ -128,6 +128,12 @@ class Subscribers:
         if answers and loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._wake, answers)
 
+    def wake_pending(self, answers: list) -> None:
+        """Answer these held requests "pending" (``answers``: (worker, request id, None))."""
+        loop = self._loop
+        if answers and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, answers)
+
     def _wake(self, answers: list) -> None:
         for w, r, x in answers:
             fut = self._waiters.pop((w, r), (None, 0.0))[0]
@@ -167,6 +173,9 @@ class Coordinator:
         self._queued: list[list] = []
         self._seq = self._durable = 0
         self._lost: list[tuple[int, int, CoordinatorError]] = []
+        #: Leases asked ahead and bound, waiting for their version's commit: (sequence
+        #: number of that batch, (worker, request id, grant or error), bound at).
+        self._bound: list[tuple[int, list, float]] = []
         self.election = election
         #: An elected coordinator whose state is loaded (always True without an election).
         self.serving = election is None
@@ -223,12 +232,14 @@ class Coordinator:
         result, seq = self._apply(fn, args)
         if not soft:
             self.sync(seq)
+            self.deliver_durable()
         return result
 
     async def acall(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``call`` for the event loop."""
         result, seq = self._apply(fn, args)
         await self._async_sync(seq)
+        self.deliver_durable()
         return result
 
     def read(self, fn: Callable[..., Any], *args: Any, check: bool = True, soft: bool = False) -> Any:
@@ -264,13 +275,13 @@ class Coordinator:
                 result = fn(self.clock(), *args)
             finally:
                 completed = self.state.catalog.take_completed()
+                bound: list = []
                 if completed:
                     self.watch.notify(completed)
-                    if self.state.ahead:  # leases asked ahead: answered in the same call
+                    if self.state.ahead:  # leases asked ahead: bound in the same call
                         try:
                             at = time.monotonic()
-                            self.subscribers.deliver(self.state.bind_ahead(self.clock(), completed),
-                                                     self.lease_answers.encode, at)
+                            bound = self.state.bind_ahead(self.clock(), completed)
                         except Exception:  # (never fails the publish; the polls ask again)
                             logger.exception("answering the leases asked ahead of %s failed", sorted(completed))
                 writes = self.state.take_writes()
@@ -280,7 +291,20 @@ class Coordinator:
                     for table, key, _ in writes:
                         if table == "retire":
                             self.manifests.forget(*key)
+                if bound:  # answered once the version they name is durable (``deliver_durable``)
+                    self._bound.append((self._seq, bound, at))
             return result, self._seq
+
+    def deliver_durable(self) -> None:
+        """Answer the leases asked ahead whose version is durable now (a grant never names
+        a version a failed commit could still take back)."""
+        if not self._bound:
+            return
+        with self.lock:
+            ready = [b for b in self._bound if b[0] <= self._durable]
+            self._bound = [b for b in self._bound if b[0] > self._durable]
+        for _, bound, at in ready:
+            self.subscribers.deliver(bound, self.lease_answers.encode, at)
 
     def sync(self, seq: int) -> None:
         """Return once every write queued up to ``seq`` is durable (committing what is
@@ -305,6 +329,8 @@ class Coordinator:
         with self.lock:
             lo, hi = self._durable, self._seq
             self._queued = []
+            self._revoke([b for b in self._bound if lo < b[0] <= hi])
+            self._bound = [b for b in self._bound if not lo < b[0] <= hi]
             if self.election is not None:
                 # Refused (deposed) or unknown outcome: never answer it; whoever leads next
                 # rebuilds from etcd.
@@ -317,9 +343,26 @@ class Coordinator:
                 err = CoordinatorError(f"the durable store failed ({type(e).__name__}: {e}); not committed, "
                                        "retry", "store_failed", status=503)
             self._lost = (self._lost + [(lo, hi, err)])[-16:]
-            self._durable = hi
+            # (calls from now on see the rolled-back state, which is durable: a number past
+            # the lost ones, so a read that saw none of them is not refused for them)
+            self._seq = self._durable = hi + 1
         if self.election is not None:
             self.election.resign(f"commit failed: {e}")
+
+    def _revoke(self, lost: list) -> None:
+        """Grants bound to a version whose commit failed: never answered; their leases
+        dropped, and each held request answered "pending" (it asks again and is held again
+        until the version is published anew). Under ``lock``."""
+        pending = []
+        for _, bound, _ in lost:
+            for w, r, x in bound:
+                if not isinstance(x, CoordinatorError):
+                    self.state.lease_requests.pop((w, r), None)
+                    if x.lease_id in self.state.leases:
+                        self.state.registry.drop_lease(x.lease_id)
+                pending.append((w, r, None))
+        if pending:
+            self.subscribers.wake_pending(pending)
 
     def _check_lost(self, seq: int) -> None:
         for lo, hi, err in self._lost:

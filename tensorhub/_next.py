@@ -12,7 +12,8 @@ lease (polled again every ``AHEAD_POLL`` seconds, keeping its place), the versio
 
 Read the usual way instead (``wait_for_version`` + ``fetch``) when the coordinator does not
 answer leases asked ahead, the reader does not pipeline, the held version's manifest is
-gone, too many readers subscribe already, or the version has other tensors (``Reshaped``).
+gone, too many readers subscribe already, the version has other tensors (``Reshaped``) or
+lacks the layout (published as slices: :data:`USUAL`).
 Deltas are not used here: a version asked ahead is read in full.
 """
 
@@ -26,7 +27,12 @@ from ._exceptions import ConflictError, FetchError, HubTimeoutError, NotFoundErr
 from ._fetch import RELEASE_GRACE, Ahead, Fetch, Fetched, FetchOptions, NoNewVersion, Reshaped
 from ._metrics import Track
 
-__all__ = ["fetch_next"]
+__all__ = ["USUAL", "fetch_next"]
+
+#: The coordinator's answers to a lease asked ahead that mean "read it the usual way": too
+#: many subscribers, or the version has no such layout (e.g. published as slices by trainer
+#: ranks: ``Hub.fetch`` assembles them).
+USUAL = ("too_many_subscribers", "unknown_layout", "read_slices")
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +72,10 @@ def fetch_next(hub: Any, model: str, after: int, *, into: Optional[Mapping[str, 
         return None
     except Reshaped as e:
         return usual(str(e), e.version)
-    except FetchError as e:
-        if isinstance(e.__cause__, ConflictError) and e.__cause__.code == "too_many_subscribers":
-            return usual(e.__cause__.message)
+    except (FetchError, NotFoundError) as e:
+        cause = e.__cause__ if isinstance(e, FetchError) else e
+        if isinstance(cause, (ConflictError, NotFoundError)) and cause.code in USUAL:
+            return usual(cause.message)
         raise
     finally:
         if track.version is not None:  # (a lease was granted: the read is accounted as any fetch)

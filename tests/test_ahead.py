@@ -188,3 +188,120 @@ def test_late_readers_after_the_bind_become_carriers_of_the_fixed_plan():
     assert "late carrier" in g.reason and g.refresh_after == 0.0
     pub = next(r.replica_id for r in st.registry.replicas_of_worker("pub") if r.version == v2)
     assert pub not in g.stripe_sources  # the root's stripes went to the subscribers
+
+
+# ---------------------------------------------------------------- durability (the coordinator's shell)
+def test_a_bound_lease_is_answered_only_once_its_version_is_durable_and_never_if_the_commit_fails(tmp_path):
+    import threading
+    import time
+
+    from tensorhub._state import StateConfig
+    from tensorhub._wire import Locality, RegisterReplica
+    from tensorhub.coordinator import Coordinator
+
+    from _stores import SlowStore
+
+    store = SlowStore(tmp_path / "state", delay=0.5)
+    coord = Coordinator(None, StateConfig(lease_ttl=30.0, worker_ttl=30.0, pause_grace=1e9), store=store)
+    delivered, pending = [], []
+    coord.subscribers.deliver = lambda bound, encode, at: delivered.append((time.monotonic(), bound))
+    coord.subscribers.wake_pending = lambda answers: pending.extend(answers)
+    st = coord.state
+    try:
+        _, _, man = _state(0)  # (its manifest)
+        for w in ("pub", "w0"):
+            coord.call(lambda now, w=w: st.register_worker(now, w, f"{w}:1", Locality(host=w)), soft=True)
+
+        def publish() -> int:
+            v = coord.call(lambda now: st.allocate_version(now, "m"))
+            coord.call(lambda now: st.register_replica(now, RegisterReplica(
+                worker_id="pub", model="m", version=v, manifest=man, addresses=[1 << 20], num_shards=1)))
+            return v
+
+        v1 = publish()
+        assert coord.call(lambda now: _ask(st, 0, v1 + 1, now, man)) is None
+        v2 = coord.call(lambda now: st.allocate_version(now, "m"))
+        done: list = []
+        t = threading.Thread(target=lambda: done.append(coord.call(lambda now: st.register_replica(now, RegisterReplica(
+            worker_id="pub", model="m", version=v2, manifest=man, addresses=[1 << 20], num_shards=1)))))
+        t.start()
+        time.sleep(0.25)
+        assert not delivered  # bound, but v2's commit is still on the disk
+        t.join(10)
+        assert done and len(delivered) == 1
+        (w, _, g), = delivered[0][1]
+        assert w == "w0" and g.version == v2
+
+        # the commit that completes v3 fails: the bound grant is never answered, its lease goes,
+        # and the held request is told "pending" (it asks again and is held again)
+        assert coord.call(lambda now: _ask(st, 0, v2 + 1, now, man, request_id="q3")) is None
+        v3 = coord.call(lambda now: st.allocate_version(now, "m"))
+        store.fail = True
+        with pytest.raises(CoordinatorError):
+            coord.call(lambda now: st.register_replica(now, RegisterReplica(
+                worker_id="pub", model="m", version=v3, manifest=man, addresses=[1 << 20], num_shards=1)))
+        store.fail = False
+        assert len(delivered) == 1 and pending == [("w0", "q3", None)]
+        assert ("w0", "q3") not in st.lease_requests
+        assert not [l for l in st.leases.values() if l.version == v3]
+        assert coord.call(lambda now: _ask(st, 0, v2 + 1, now, man, request_id="q3")) is None  # held again
+    finally:
+        coord.close()
+
+
+# ---------------------------------------------------------------- Hub.fetch_next on an embedded coordinator
+def test_fetch_next_falls_back_to_the_usual_read_for_a_version_published_as_slices(connect):
+    import threading
+
+    import torch
+
+    from tensorhub import Slice
+
+    full = [{"w": torch.randn(64, 1 << 14)} for _ in range(2)]  # 4 MiB: 64 chunks of the grid
+
+    def publish(k):
+        for r, h in enumerate(ranks):
+            h.publish("m", {"w": Slice(full[k]["w"][32 * r:32 * r + 32].clone(), (64, 1 << 14), (32 * r, 0))},
+                      key=f"step-{k}", shard=r, num_shards=2)
+
+    ranks = [connect(f"rank{i}") for i in range(2)]
+    publish(0)
+    reader = connect("reader")
+    assert torch.equal(reader.fetch("m", 1)["w"], full[0]["w"])
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(reader.fetch_next("m", 1, wait=30.0)))
+    t.start()
+    deadline = __import__("time").monotonic() + 10
+    while not reader.api.get("/v1/status")["subscribers"]:
+        assert __import__("time").monotonic() < deadline
+        __import__("time").sleep(0.02)
+    publish(1)  # v2 has no 'hf' manifest: the held lease is answered unknown_layout, read as slices
+    t.join(30)
+    assert box and box[0].version == 2 and torch.equal(box[0]["w"], full[1]["w"])
+
+
+def test_fetch_next_waits_then_reads_and_says_none_when_nothing_came(connect):
+    import threading
+    import time
+
+    import torch
+
+    pub, reader = connect("pub"), connect("reader")
+    w1 = {"a": torch.randn(1 << 20), "b": torch.randn(1 << 19)}
+    v1 = pub.publish("m", w1)
+    reader.fetch("m", v1)
+    t0 = time.monotonic()
+    assert reader.fetch_next("m", v1, wait=0.5) is None
+    assert 0.45 < time.monotonic() - t0 < 5
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(reader.fetch_next("m", v1, wait=30.0)))
+    t.start()
+    time.sleep(0.3)
+    w2 = {k: torch.randn_like(x) for k, x in w1.items()}
+    v2 = pub.publish("m", w2)
+    t.join(30)
+    got = box[0]
+    assert got.version == v2 and all(torch.equal(got[k], w2[k]) for k in w2)
+    assert ("m", v2, "hf", 0) in reader.held()  # served, like any fetch
+    with pytest.raises(Exception, match="after must be a positive int"):
+        reader.fetch_next("m", 0)
