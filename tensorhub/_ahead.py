@@ -26,8 +26,10 @@ version the usual way. One whose worker is unknown, or a version without that la
 the error as its answer. Readers across datacenters (who seed theirs through a plan across
 datacenters) are answered the usual way, after the home plans are fixed.
 
-A reader's calls per version: this lease (with the manifest read once, if its runs need
-it) and the release that registers its complete replica.
+A subscriber whose offer fits is answered the version's checksums and meta with its grant
+(``LeaseGrant.sums``): with the tensors it has, they make the version's manifest, so it
+reads none. A reader's calls per version: this lease and the release that registers its
+complete replica.
 
 Pure, like ``_state``: no I/O, no clock of its own; ``st`` is the ``CoordinatorState`` that
 calls in (passed, not imported: it imports this module).
@@ -40,7 +42,7 @@ from typing import Any, Optional, Union
 
 from ._exceptions import ConflictError, CoordinatorError, InvalidRequestError, NotFoundError
 from ._registry import ShardKey
-from ._wire import AcquireLease, LeaseGrant, shape_digest
+from ._wire import AcquireLease, LeaseGrant, VersionSums, shape_digest
 
 __all__ = ["GRACE", "MAX_PENDING", "Sub", "Subscriptions", "subscribe", "bind"]
 
@@ -144,6 +146,14 @@ def subscribe(st: Any, now: float, req: AcquireLease, wait: float) -> Optional[L
     return None
 
 
+def sums_of(st: Any, at: AcquireLease) -> Optional[VersionSums]:
+    """The checksums and meta of the version ``at`` names, for a reader whose offer fits it."""
+    if at.serve is None:
+        return None
+    m = st.manifest(at.model, at.version, at.layout, at.shard)
+    return VersionSums.model_construct(checksum=m.checksum, checksums=m.checksums, meta=m.meta)
+
+
 def at_version(st: Any, req: AcquireLease, version: int) -> tuple[AcquireLease, str]:
     """The subscription as an ordinary lease request on ``version``, and why its offer was
     dropped ("" if not): kept (named by the version's real manifest digest) when its
@@ -161,10 +171,12 @@ def at_version(st: Any, req: AcquireLease, version: int) -> tuple[AcquireLease, 
 
 
 def granted(st: Any, at: AcquireLease, grant: LeaseGrant, refused: str) -> LeaseGrant:
-    """The grant, saying why the offer was dropped (kept so for a poll asked again)."""
-    if not refused:
+    """The grant with the version's checksums for a reader whose offer fits (it needs no
+    manifest), or saying why the offer was dropped; kept so for a poll asked again."""
+    update = {"serve_refused": refused} if refused else {"sums": sums_of(st, at)}
+    if not refused and update["sums"] is None:
         return grant
-    grant = grant.model_copy(update={"serve_refused": refused})
+    grant = grant.model_copy(update=update)
     st.lease_requests[(at.worker_id, str(at.request_id))] = (grant.lease_id, grant)
     return grant
 

@@ -280,7 +280,8 @@ class PipelinedSources(PlainSources):
                         raise NoNewVersion(f"no version of {f.model!r} newer than v{f.version - 1} was published "
                                            f"within {ahead.wait:g}s")
                     sent = time.monotonic()
-                    g = f.session.lease(dict(body, ahead=True), wait=round(min(left, AHEAD_POLL), 3))
+                    g = f.session.lease(dict(body, ahead=True), wait=round(min(left, AHEAD_POLL), 3),
+                                        shaped=ahead.manifest)
                     if g is None:
                         continue
                 else:

@@ -240,10 +240,23 @@ class Session:
         runs = h.runs[1]
         return {"addresses": h.addresses} if runs is None else {"address_runs": runs.model_dump(mode="json")}
 
-    def lease(self, body: dict, **kw: Any) -> LeaseGrant:
+    def keep_manifest(self, model: str, version: int, layout: str, shard: int, m: Manifest) -> Manifest:
+        """Keep ``m`` as that shard's manifest (made here: a lease asked ahead, ``VersionSums``),
+        as if read (the first one kept stays)."""
+        key = (model, version, layout, shard)
+        with self._manifests_lock:
+            m = self._manifests.setdefault(key, m)
+            while len(self._manifests) > MANIFESTS_KEPT:
+                self._manifests.popitem(last=False)
+        return m
+
+    def lease(self, body: dict, shaped: Optional[Manifest] = None, **kw: Any) -> LeaseGrant:
         """``POST /v1/leases`` (``body``: the ``AcquireLease`` fields) as this worker, asking
         for sources' addresses as runs when the coordinator has them; the grant comes back
-        with every source's addresses expanded (against the shard's manifest, read once)."""
+        with every source's addresses expanded (against the shard's manifest, read once).
+        Asked ahead (``wait=`` in ``kw``): None when nothing was published meanwhile; a grant
+        with the version's checksums (``sums``) makes its manifest from ``shaped`` (the
+        tensors this reader offered), kept as if read."""
         if self.address_runs:
             body = dict(body, address_runs=True)
         if self.lease_secrets:
@@ -251,6 +264,8 @@ class Session:
         g = self.as_worker(lambda api: api.acquire_lease(body, **kw))
         if g is None:  # asked ahead, nothing published within the wait
             return None
+        if g.sums is not None and shaped is not None:
+            self.keep_manifest(g.model, g.version, g.layout, g.shard, g.sums.manifest(shaped))
         try:
             return _addresses.expand_grant(g, lambda: self.manifest(g.model, g.version, g.layout, g.shard))
         except ValueError as e:

@@ -627,6 +627,20 @@ class ReplicaInfo(_Model):
         return d
 
 
+class VersionSums(_Model):
+    """What a lease asked ahead answers instead of the manifest (``LeaseGrant.sums``): the
+    version's own checksums and meta. Its tensors are those the reader offered to receive
+    them into (``shape_digest`` matched), so these complete the manifest exactly."""
+
+    checksum: Optional[str] = None
+    checksums: Optional[list[int]] = None
+    meta: Optional[VersionMeta] = None
+
+    def manifest(self, shaped: Manifest) -> Manifest:
+        """The version's manifest: ``shaped`` (another version's, same tensors) with these."""
+        return shaped.model_copy(update={"checksum": self.checksum, "checksums": self.checksums, "meta": self.meta})
+
+
 class LeaseGrant(_Model):
     lease_id: str
     model: str
@@ -669,6 +683,9 @@ class LeaseGrant(_Model):
     #: the moment it sent the request plus this (``_fencing.LeaseClock``), never longer
     #: than the coordinator keeps it.
     granted_after: float = 0.0
+    #: A lease asked ahead whose offer fits the version: its checksums and meta (the reader
+    #: has its tensors already; no manifest to read). None otherwise.
+    sums: Optional[VersionSums] = None
 
     @model_serializer(mode="wrap")
     def _omit_no_secret(self, handler):  # type: ignore[no-untyped-def]
@@ -680,6 +697,8 @@ class LeaseGrant(_Model):
                 del d["secret"]
             if d.get("granted_after", None) == 0.0:
                 del d["granted_after"]
+            if "sums" in d and d["sums"] is None:
+                del d["sums"]
         return d
 
 

@@ -294,6 +294,10 @@ def test_fetch_next_waits_then_reads_and_says_none_when_nothing_came(connect):
     assert reader.fetch_next("m", v1, wait=0.5) is None
     assert 0.45 < time.monotonic() - t0 < 5
     box: list = []
+    asked: list = []
+    api = reader._session.api
+    real = api.manifest
+    api.manifest = lambda *a, **kw: asked.append(a) or real(*a, **kw)
     t = threading.Thread(target=lambda: box.append(reader.fetch_next("m", v1, wait=30.0)))
     t.start()
     time.sleep(0.3)
@@ -303,5 +307,7 @@ def test_fetch_next_waits_then_reads_and_says_none_when_nothing_came(connect):
     got = box[0]
     assert got.version == v2 and all(torch.equal(got[k], w2[k]) for k in w2)
     assert ("m", v2, "hf", 0) in reader.held()  # served, like any fetch
+    assert asked == []  # v2's checksums came with the grant: no manifest read
+    assert reader._session.manifest("m", v2, "hf", 0) == pub._session.manifest("m", v2, "hf", 0)
     with pytest.raises(Exception, match="after must be a positive int"):
         reader.fetch_next("m", 0)
