@@ -18,7 +18,7 @@ seeding; ``pick_chunk`` for which chunk to read from which source; ``chunk_order
   usual grant right after; every answer leaves after the whole bind (``--ahead-deliver
   batch``, as ``_coordinator.Subscribers.deliver``; ``stream``: one by one, not the code), in
   plan order, each woken request's answer written by the event loop (``wake``, bench_fleet --burst); then
-  each reader GETs the version's manifest (queued) and reads. ``--no-ahead``: leases asked
+  each reader reads at once (its grant carries the version's checksums: no manifest GET). ``--no-ahead``: leases asked
   after the publish (resolve, manifest, lease, queued), as below; ``--compare`` (default)
   prints both. ``elastic``'s newcomers hold no earlier version: never ahead;
 * **the coordinator is one queue.** Every call (resolve, the manifest GET, the serving
@@ -118,6 +118,7 @@ from tensorhub._planner import (  # noqa: E402 - the planner the coordinator run
     reserve_chunks, start_fraction, start_reverse,
 )
 from tensorhub._stripes import (  # noqa: E402 - the plans it grants
+    HOSTS_IN_PLANS,
     MIN_CHUNKS, NONE, STRIPES, WAN, WINDOW, Plan, plan_root, relayed, wan_root, wan_stripes,
 )
 from tensorhub._wire import Locality  # noqa: E402
@@ -396,33 +397,37 @@ FIXED_CALLS = 2  # resolve ("latest") and the manifest GET, before the lease (1:
 #: The coordinator's service time per call, in ms of its one core: it is one Python process
 #: whose one event loop answers every request, so a call waits for every call before it
 #: (:class:`Coordinator`: one server, first come first served). Measured by
-#: ``python benchmarks/bench_routes.py --readers 1024 --addresses runs`` (14 s) on this
-#: project's shared 2-core VM, two runs, CPU ms per request: resolve 0.186 / 0.176, GET
-#: manifest 0.225 / 0.205, serving lease 0.957 + 0.820 / 0.859 + 0.762 (first and second half
-#: of the 1,024 readers), lease refresh 0.352 / 0.361, complete + release 0.557 / 0.547,
-#: heartbeat 0.052 / 0.052, heartbeat + fetch report 0.075 / 0.070. The defaults are the
-#: means; ``--coord-costs name=ms,...`` sets any of them, ``--coord-scale`` multiplies all.
+#: ``python benchmarks/bench_routes.py --readers 1024 --addresses runs --no-ahead`` (14 s) on
+#: this project's shared 2-core VM, 2026-12-06, two runs on a quiet machine (load ~0.8), CPU
+#: ms per request: resolve 0.107 / 0.117, GET manifest 0.137 / 0.127, serving lease 0.547 +
+#: 0.430 / 0.547 + 0.508 (first and second half of the 1,024 readers), lease refresh 0.244 /
+#: 0.303, complete + release 0.225 / 0.254, heartbeat 0.043 / 0.035, heartbeat + fetch report
+#: 0.055 / 0.060. (An earlier session's runs on a busier machine were 1.3-2.4x these: resolve
+#: 0.18, manifest 0.215, lease 0.85, refresh 0.355, release 0.55.) The defaults are the means;
+#: ``--coord-costs name=ms,...`` sets any of them, ``--coord-scale`` multiplies all.
 COORD_MS = {
-    "resolve": 0.18,  # POST .../resolve: ``latest`` (or a woken ``wait``)
-    "manifest": 0.215,  # GET .../manifest (gzip, encoded once)
-    "lease": 0.85,  # POST /v1/leases with ``serve``: the grant and the partial replica's registration
-    "refresh": 0.355,  # POST /v1/leases, the same lease again (a plan's fixed layout, or a stall)
-    "release": 0.55,  # POST /v1/replicas: the complete replica registered + the lease released, one call
-    "heartbeat": 0.052,  # every worker, every HEARTBEAT_S
-    "report": 0.072,  # the heartbeat of a worker that is reading (it carries a fetch report)
+    "resolve": 0.112,  # POST .../resolve: ``latest`` (or a woken ``wait``)
+    "manifest": 0.132,  # GET .../manifest (gzip, encoded once)
+    "lease": 0.508,  # POST /v1/leases with ``serve``: the grant and the partial replica's registration
+    "refresh": 0.274,  # POST /v1/leases, the same lease again (a plan's fixed layout, or a stall)
+    "release": 0.240,  # POST /v1/replicas: the complete replica registered + the lease released, one call
+    "heartbeat": 0.039,  # every worker, every HEARTBEAT_S
+    "report": 0.058,  # the heartbeat of a worker that is reading (it carries a fetch report)
     # Subscribing ahead (tensorhub/_ahead.py), measured on the state machine (no HTTP) by
     # ``python benchmarks/bench_routes.py --only ahead --reps 5`` (1,024 subscribers on hosts of
     # 8, 50,000 tensors, offers as address runs; 15 s), this shared 2-core VM: ``bind_ahead`` +
-    # encoding each grant (``LeaseAnswers.encode``, as ``Subscribers.deliver``) per subscriber,
-    # median 0.176 ms (5 rounds 0.151-0.295; 180 ms for all 1,024, one state call under the
-    # lock); the subscribe itself 0.001-0.002 ms in the state (before the publish: not modelled).
-    "bind": 0.176,  # per subscriber, in the call that completes the version (all before any answer)
+    # encoding each grant (``LeaseAnswers.encode``, as ``Subscribers.deliver``; the grant carries
+    # the version's checksums, ``LeaseGrant.sums``) per subscriber, median 0.166 ms (quiet
+    # machine, 5 rounds 0.160-0.295; an earlier loaded run 0.176); 170 ms for all 1,024, one
+    # state call under the lock; the subscribe itself 0.001 ms in the state (before the
+    # publish: not modelled).
+    "bind": 0.166,  # per subscriber, in the call that completes the version (all before any answer)
     # The event loop writing one woken held request's answer (the ASGI answer path; answers
-    # encoded in the bind): 107 us of coordinator CPU per answer sent, measured on the real
-    # coordinator process by ``python benchmarks/bench_fleet.py --burst --repeat 3`` (1,024
-    # subscribers; docs/operations/benchmarks.md, "A lease burst"); issue 31's target ~0.02 ms.
-    "wake": 0.107,
-    # Not measured by bench_routes (used by the Kimi scenario's sliced read only; proxies):
+    # encoded in the bind): coordinator CPU per answer between the first and the last answer,
+    # measured on the real coordinator process by ``python benchmarks/bench_fleet.py --burst
+    # --repeat 2`` (1,024 subscribers; docs/operations/benchmarks.md, "A lease burst"): 146 us
+    # on a quiet machine (an earlier run under load: 107 us); issue 31's target ~0.02 ms.
+    "wake": 0.146,
     "lease_plain": 0.355,  # a lease without ``serve`` (nothing registered): as a refresh
     "release_plain": 0.355,  # a release without a registration: as a refresh
     "renew": 0.052,  # a lease renewal: as a heartbeat
@@ -567,6 +572,12 @@ class MapSim(Sim):
     Time advances in steps of at least ``tick`` seconds (rates held for a step; a read that
     ends inside a step frees its share at the step's end)."""
 
+    @property
+    def _hosts_in_plans(self) -> bool:
+        """Plans lay out by host where a same-host path exists for partial replicas (the code:
+        ``_stripes.HOSTS_IN_PLANS``, none yet; ``--samehost-path nvlink`` models one)."""
+        return HOSTS_IN_PLANS or self.cl.samehost == "nvlink"
+
     def __init__(self, cl: Cluster, nbytes: float, num_chunks: int, *, rtt: float = 50e-6,
                  tick: float = 0.25e-3, fixed_calls: int = FIXED_CALLS, plans: bool = True,
                  coord: Optional[Coordinator] = None, checksum_bps: float = 0.0, queue_s: float = 0.0,
@@ -651,7 +662,7 @@ class MapSim(Sim):
                         return False  # one datacenter to seed: the usual choice (as _state._plan)
                 plan = self.plans[key] = Plan(root, stripes, self.now)
             r.plan_key = key
-            plan.join(str(r.wid), self._rid_of(r.wid), self.now, r.loc.host)
+            plan.join(str(r.wid), self._rid_of(r.wid), self.now, r.loc.host if self._hosts_in_plans else None)
             if scope == WAN:
                 for lvl in LEVELS:
                     self.seeders.setdefault((lvl,) + group_key(r.loc, lvl), r.wid)
@@ -727,10 +738,6 @@ class MapSim(Sim):
                 self._answered(r, end)
             elif kind == "resolve":
                 co.ask(end, "manifest", who)
-            elif kind == "manifest" and r.granted:  # asked ahead: the version's manifest read, now it reads
-                r.read_t = r.t0 = r.last_refresh = r.last_progress = end
-                r.blocked = False
-                self._wake(r, end)
             elif kind == "manifest":
                 co.ask(end, "lease", who)
             elif kind in ("lease", "refresh"):
@@ -789,16 +796,17 @@ class MapSim(Sim):
         elif plan.fixed is not None:
             return None
         r.plan_key = key
-        plan.join(str(r.wid), self._rid_of(r.wid), self.now, r.loc.host)
+        plan.join(str(r.wid), self._rid_of(r.wid), self.now, r.loc.host if self._hosts_in_plans else None)
         r.leased, self._cands = True, None  # its offer registered (its partial replica): a parent from now
         return key
 
     def _answered(self, r: MapReader, t: float) -> None:
-        """A held lease's answer reached its reader at ``t``: it asks for the version's
-        manifest (``Fetch._bind``: its checksums; the grant's address runs are expanded by
-        it), then reads."""
-        r.start_t = t
-        self.coord.ask(t, "manifest", r.wid)
+        """A held lease's answer reached its reader at ``t``: it reads at once (the grant
+        carries the version's checksums, ``LeaseGrant.sums``: with the tensors it offered
+        they make the manifest, so it reads none)."""
+        r.start_t = r.read_t = r.t0 = r.last_refresh = r.last_progress = t
+        r.blocked = False
+        self._wake(r, t)
 
     def _spillable(self, r: MapReader) -> list:
         """``PipelinedReader._spillable``: the chunks still needed of the stripes whose
@@ -1171,7 +1179,7 @@ class MapSim(Sim):
                 r.map_pending.pop(s, None)
                 r.map_result[s] = (full, frozenset()) if h is None or h.done_t is not None else self._marks(h, t)
         times = [r.done_t if r.done_t is not None else float("inf") for r in rs]
-        fixed = 1 if self.ahead else self.fixed_calls  # (asked ahead: the manifest; the held lease is r.calls)
+        fixed = 0 if self.ahead else self.fixed_calls  # (asked ahead: no manifest; the held lease is r.calls)
         calls = [fixed + r.calls + int((r.done_t or 0) // max(0.1, LEASE_TTL / 3)) for r in rs]
         roles = {"member": 0, "late": 0, "none": 0}
         for r in rs:

@@ -29,7 +29,7 @@ from ._planner import (
 )
 from ._registry import Lease, Replica, ShardKey, Worker
 from ._slices import SLICED
-from ._stripes import MIN_CHUNKS, NONE, STRIPES, WAN, Plan, plan_root, relayed, wan_root, wan_stripes
+from ._stripes import HOSTS_IN_PLANS, MIN_CHUNKS, NONE, STRIPES, WAN, Plan, plan_root, relayed, wan_root, wan_stripes
 from ._wire import AcquireLease, LeaseGrant, Manifest, RegisterReplica, ReplicaInfo
 
 __all__ = ["Grants", "KEPT"]
@@ -246,7 +246,7 @@ class Grants:
                                                                   req.shard).num_shards)
         if offered[0] is None:
             return None
-        plan.join(req.worker_id, offered[0], now, reader.locality.host)
+        plan.join(req.worker_id, offered[0], now, reader.locality.host if HOSTS_IN_PLANS else None)
         self.plan_of[(key, req.worker_id)] = pk
         self.joined[(key, req.worker_id)] = offered
         return pk
@@ -272,7 +272,7 @@ class Grants:
             offered = self.joined.pop((key, req.worker_id), None) or self._serve_offer(now, req, num_shards)
             if offered[0] is None:
                 return None, offered  # (not serving: no member of a plan)
-            plan.join(req.worker_id, offered[0], now, reader.locality.host)
+            plan.join(req.worker_id, offered[0], now, reader.locality.host if HOSTS_IN_PLANS else None)
             self.plan_of[(key, req.worker_id)] = pk
         wan = pk[1] == WAN
         row, again = plan.parents(req.worker_id, now, bad)

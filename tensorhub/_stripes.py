@@ -91,7 +91,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-__all__ = ["STRIPES", "WINDOW", "MIN_CHUNKS", "NONE", "WAN", "Plan", "stripe_of", "layout", "plan_root", "wan_root",
+__all__ = ["HOSTS_IN_PLANS", "STRIPES", "WINDOW", "MIN_CHUNKS", "NONE", "WAN", "Plan", "stripe_of", "layout", "plan_root", "wan_root",
            "wan_stripes", "relayed"]
 
 #: Stripes per shard (the tree fan-out, too).
@@ -109,6 +109,14 @@ MIN_CHUNKS = 32
 #: under a less loaded one (a carrier sends its stripe, 1/D of the version, to each child:
 #: D of them make one version).
 CARRIER_CHILDREN = STRIPES
+#: Lay plans out by host (host-mates under each other, ``_interior``) only where a same-host
+#: path exists for partial replicas (issue 31 item 4). None exists yet: the memfd path
+#: (``transport/_shm``) copies complete replicas in Hub memory only, and CUDA IPC is not
+#: written, so a host-mate's partial replica is read through Mooncake -- through the interior
+#: member's NIC, which then carries its network children *and* its host-mates.
+#: ``benchmarks/simulate.py`` (subscribed ahead, same-host reads over the NIC): 1.76x / 1.97x /
+#: 2.90x the bound at 64 / 256 / 1,024 GPUs with hosts in plans, 1.33x / 1.58x / 2.55x without.
+HOSTS_IN_PLANS = False
 #: "no parent (yet)" in a parents list.
 NONE = ""
 #: The scope of a plan across datacenters (its members: the datacenters' seeders).

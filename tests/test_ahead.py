@@ -156,17 +156,25 @@ def test_a_subscriber_whose_layout_is_missing_gets_the_error_and_the_others_thei
     assert isinstance(by["w1"], NotFoundError)
 
 
-def test_host_mates_read_from_each_other_in_the_fixed_plan():
+@pytest.mark.parametrize("by_host", [False, True])
+def test_plans_use_host_labels_only_where_a_same_host_path_covers_partial_replicas(by_host, monkeypatch):
+    """``_stripes.HOSTS_IN_PLANS`` (False: no same-host path for partial replicas yet): the
+    fixed layout ignores hosts, so no interior member's NIC carries its host-mates too;
+    with a path (True) host-mates read from each other."""
+    import tensorhub._grants as grants
+
+    monkeypatch.setattr(grants, "HOSTS_IN_PLANS", by_host)
     hosts = [f"h{k // 4}" for k in range(16)]
     st, v1, man = _state(16, hosts)
     for k in range(16):
         _ask(st, k, v1 + 1, 0.0, man)
     v2, bound = _publish(st, 1.0, man)
-    grants = [g for _, _, g in bound]
-    lay = layout(16, STRIPES, hosts)
-    ids = [g.partial_replica_id for g in grants]
+    grants_ = [g for _, _, g in bound]
+    lay = layout(16, STRIPES, hosts if by_host else None)
+    assert lay != layout(16, STRIPES, hosts if not by_host else None)  # (the two differ here)
+    ids = [g.partial_replica_id for g in grants_]
     pub = next(r.replica_id for r in st.registry.replicas_of_worker("pub") if r.version == v2)
-    for k, g in enumerate(grants):
+    for k, g in enumerate(grants_):
         assert g.stripe_sources == [pub if q < 0 else ids[q] for q in lay[k]]
 
 
