@@ -10,7 +10,9 @@ Who calls what:
 * holder (trainer, engine): ``publish`` registers tensors in place; they must stay
   untouched until ``unpublish`` returns (that is when no reader holds a lease on them).
 * reader (engine): ``latest`` / ``wait_for_version`` / ``fetch``; with ``serve=True`` a
-  fetched shard becomes one more replica (the reader is then a holder of it).
+  fetched shard becomes one more replica (the reader is then a holder of it). A reader that
+  follows a model calls ``fetch_next(model, after=v)``: the next version's lease is asked
+  ahead, so it reads the moment that version is published, inside its distribution plan.
 * anyone: ``close()`` (or the context manager) drops every replica of this worker,
   unregisters its memory and stops the heartbeat. Any call after it raises
   :class:`HubClosedError`.
