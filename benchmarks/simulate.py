@@ -1758,7 +1758,7 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
                  f"{c['bind'] * 1e3:.3f} ms each ({args.ahead_deliver}: "
                  + ("every answer after the whole bind, as the code" if args.ahead_deliver == "batch" else
                     "each answer as its grant is made, NOT the code") + f"), a wake-up {c['wake'] * 1e3:.3f} ms "
-                 "each, then each reader's manifest GET; " if getattr(args, "ahead", False) else
+                 "each, then each reader reads (no manifest GET: the grant carries the checksums); " if getattr(args, "ahead", False) else
                  "leases asked after the publish (--no-ahead); ")
               + f"the plan's forming window {WINDOW * 1e3:.0f} ms (tensorhub._stripes.WINDOW); "
               f"chunk-map reads {args.rtt_us:g} us + their wait behind the reader's reads from that source"
@@ -1825,7 +1825,7 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
 def print_ahead(by: dict, plan: list, path: str, main_ahead: bool) -> None:
     """Subscribed ahead beside asked after the publish (one run, same-host path ``path``), and
     where the time goes when asked ahead: when the last answer left the coordinator, when the
-    last reader started reading (its manifest GET answered), when the last chunk landed,
+    last reader started reading (its answer came: no manifest GET), when the last chunk landed,
     when the last release+register was answered."""
     print(f"\nsubscribe ahead (the code's followers: Hub.fetch_next) vs leases after the publish (--no-ahead), "
           f"same-host path '{path}'")
@@ -1843,8 +1843,8 @@ def print_ahead(by: dict, plan: list, path: str, main_ahead: bool) -> None:
               f"{a['last_lease_s']:>9.3f} {a['last_read_s']:>9.3f} {a['last_data_s']:>6.3f} {a['tensorhub']:>6.3f} "
               f"{a['calls_per_reader']:>5.2f} | {b['vs_bound']:>15.2f} {b['trainer_x']:>5.2f} {rb:>14}")
     print("(asked ahead: 'answers s' = the last held lease answered (the bind of every subscriber, one state call, "
-          "then the wake-ups: COORD_MS bind, wake); 'reading s' = the last reader reading (its manifest GET "
-          "answered, queued); 'data s' = the last chunk landed; 'done s' = the last release+register answered; "
+          "then the wake-ups: COORD_MS bind, wake); 'reading s' = the last reader reading (at its "
+          "answer: no manifest GET); 'data s' = the last chunk landed; 'done s' = the last release+register answered; "
           "bound as above)")
 
 
