@@ -28,7 +28,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from ._checksum import verifier
 from ._exceptions import (
@@ -499,6 +499,8 @@ class Ahead:
     wait: float
     until: float
     timeout: float
+    #: Called with the version once its lease is granted, before the read.
+    on_bound: Optional[Callable[[int], None]] = None
 
 
 class Fetch:
@@ -606,6 +608,8 @@ class Fetch:
             raise Reshaped(f"{self.model!r} v{v} has other tensors than v{v - 1}'s destination", v)
         self.manifest = self.held.manifest = m
         r.checksums = check
+        if a.on_bound is not None:
+            a.on_bound(v)
 
     def _end_attempt(self) -> list[str]:
         """Release the attempt's leases; returns those whose bytes cannot be trusted.

@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 def fetch_next(hub: Any, model: str, after: int, *, into: Optional[Mapping[str, Any]], layout: str, shard: int,
-               wait: float, timeout: Optional[float], progress: Optional[Callable[[Any], None]]) -> Optional[Fetched]:
+               wait: float, timeout: Optional[float], progress: Optional[Callable[[Any], None]],
+               bound: Optional[Callable[[int], None]] = None) -> Optional[Fetched]:
     t = hub.fetch_timeout if timeout is None else timeout
     s = hub._session
 
@@ -50,6 +51,8 @@ def fetch_next(hub: Any, model: str, after: int, *, into: Optional[Mapping[str, 
                 version = hub.wait_for_version(model, newer_than=after, timeout=wait)
             except HubTimeoutError:
                 return None
+        if bound is not None:
+            bound(version)
         return hub.fetch(model, version, layout=layout, shard=shard, into=into, timeout=t, progress=progress)
 
     if not hub.pipelined or not s.ahead:
@@ -66,7 +69,7 @@ def fetch_next(hub: Any, model: str, after: int, *, into: Optional[Mapping[str, 
     try:
         with hub.api.bounded(deadline + RELEASE_GRACE):
             got = Fetch(s, hub._holdings, opts, model, after + 1, layout, shard, into=into, serve=True,
-                        deadline=deadline, track=track, pipelined=True, ahead=Ahead(man, wait, now + wait, t)).run()
+                        deadline=deadline, track=track, pipelined=True, ahead=Ahead(man, wait, now + wait, t, bound)).run()
         return got
     except NoNewVersion:
         return None

@@ -354,7 +354,8 @@ class Hub:
 
     def fetch_next(self, model: str, after: int, *, into: Optional[Mapping[str, Any]] = None, layout: str = "hf",
                    shard: int = 0, wait: float = 60.0, timeout: Optional[float] = None,
-                   progress: Optional[Callable[[FetchProgress], None]] = None) -> Optional[Fetched]:
+                   progress: Optional[Callable[[FetchProgress], None]] = None,
+                   bound: Optional[Callable[[int], None]] = None) -> Optional[Fetched]:
         """The next complete version of ``model`` newer than ``after``, read and served as
         soon as it is published; None if none is published within ``wait`` seconds.
 
@@ -363,7 +364,8 @@ class Hub:
         version's distribution plan from its first moment instead of queueing with the
         fleet after the publish (``tensorhub._next``). ``into``: the destination (e.g. the
         kept copy of an older version), laid out as ``after``. The read itself completes
-        within ``timeout`` (default ``fetch_timeout``) of the publish. Read in full (no
+        within ``timeout`` (default ``fetch_timeout``) of the publish; ``bound(version)`` is
+        called once it is known which version is read, before the read. Read in full (no
         deltas); against an older coordinator, ``wait_for_version`` + :meth:`fetch`."""
         self._check_open()
         if not isinstance(after, int) or isinstance(after, bool) or after < 1:
@@ -371,7 +373,7 @@ class Hub:
         if not wait > 0:
             raise ConfigError(f"wait must be > 0 seconds, got {wait!r}")
         return _next.fetch_next(self, model, after, into=into, layout=layout, shard=shard, wait=wait,
-                                timeout=timeout, progress=progress)
+                                timeout=timeout, progress=progress, bound=bound)
 
     def borrow(self, model: str, version: int, *, layout: str = "hf", shard: int = 0,
                timeout: Optional[float] = None) -> Optional[Borrowed]:

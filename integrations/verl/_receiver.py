@@ -112,6 +112,9 @@ class Receiver:
         self.stats = StreamStats()
         self._follow: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        #: Ask the next version's lease ahead (``Hub.fetch_next``): once a version read the
+        #: usual way found no delta from the one before (the publisher publishes none).
+        self._ahead = False
 
     # ------------------------------------------------------------------ versions
     def wait_complete(self, version: int, deadline: float) -> None:
@@ -289,9 +292,56 @@ class Receiver:
         self._follow = threading.Thread(target=loop, name="tensorhub-verl-follow", daemon=True)
         self._follow.start()
 
+    def _prefetch_ahead(self) -> bool:
+        """The version after the cached one, its lease asked ahead (``Hub.fetch_next``: in
+        the version's plan from its first moment); False when it failed (then the usual way)."""
+        c = self.cache
+        with c.cond:
+            after = c.version
+            if after is None or c.fetching is not None:
+                return False
+            into, c.spare = c.spare, None
+        t0 = time.monotonic()
+
+        def bound(v: int) -> None:  # being read now: a local read of it waits for it
+            with c.cond:
+                c.fetching, c.error = v, None
+                c.cond.notify_all()
+
+        try:
+            got = self.hub.fetch_next(self.model, after, into=into, wait=5.0, timeout=self.timeout, bound=bound)
+        except Exception as e:
+            logger.warning("tensorhub: asking %s's next version ahead failed (%s); reading it the usual way",
+                           self.model, e)
+            got, self._ahead, into = None, False, None
+        if got is None:
+            with c.cond:
+                c.fetching = None
+                if into is not None and c.spare is None:
+                    c.spare = into  # nothing came: nothing was written
+                c.cond.notify_all()
+            return self._ahead
+        tensors = dict(got)
+        with c.cond:
+            old, old_tensors = c.version, c.tensors
+            c.version, c.tensors, c.fetching = got.version, tensors, None
+            c.cond.notify_all()
+        logger.info("tensorhub: prefetched %s v%d asked ahead: %.1f MB in %.2fs from %s", self.model, got.version,
+                    got.nbytes / 1e6, time.monotonic() - t0, dict(got.sources))
+        if old is not None:
+            self._retire(old, old_tensors)
+        try:  # the publisher started publishing deltas? then read through them again
+            info = self.hub.version_info(self.model, got.version)
+            self._ahead = not any(l.startswith("delta:") for l in (info.layouts if info is not None else {}))
+        except TensorHubError:
+            pass
+        return True
+
     def _prefetch_one(self, version: Optional[int]) -> None:
         c = self.cache
         t0 = time.monotonic()
+        if version is None and self._ahead and self._prefetch_ahead():
+            return
         if version is None:
             newer = c.version
             while not self._stop.is_set():
@@ -325,6 +375,8 @@ class Receiver:
                 c.cond.notify_all()
             logger.info("tensorhub: prefetched %s v%d: %.1f MB in %.2fs from %s", self.model, version,
                         got.nbytes / 1e6, time.monotonic() - t0, dict(got.sources))
+            skipped = getattr(got, "delta_skipped", None) or ""  # no delta from the one before: ask ahead
+            self._ahead = getattr(got, "delta", None) is None and skipped.startswith("no direct delta")
             if old is not None:
                 self._retire(old, old_tensors)
         except BaseException as e:

@@ -215,8 +215,18 @@ def test_prefetch_while_rollouts_run_then_get_weights(coord, model_dir):
             hub.close()
         assert len(holders) == 3, holders  # the trainer and both rollouts' prefetched copies serve v2
 
+        # v2 came without a delta: both rollouts now ask v3's lease ahead, before v3 exists
+        import httpx
+        import time
+
+        deadline = time.monotonic() + 60
+        while len([s for s in httpx.get(f"{coord.url}/v1/status", timeout=10).json()["subscribers"]
+                   if s["version"] == v2 + 1]) < 2:
+            assert time.monotonic() < deadline, "the rollouts did not subscribe ahead"
+            time.sleep(0.1)
         s3 = sync_step([t], rollouts, 23, global_steps=3)  # receive_weights reads through the copy
         _check(s3, 23, cast="bfloat16")
+        assert all(r.call("cached") == s3["version"] for r in rollouts)
     finally:
         for w in [t, *rollouts]:
             w.close()
