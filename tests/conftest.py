@@ -21,6 +21,23 @@ def coordinator(tmp_path):
 
 
 @pytest.fixture
+def coordinator_with(tmp_path):
+    """Start real coordinator processes with extra command-line arguments
+    (``coordinator_with("--lease-ttl", "3")``); all stopped afterwards."""
+    made = []
+
+    def start(*extra: str) -> CoordinatorProcess:
+        c = CoordinatorProcess(tmp_path / f"state{len(made) or ''}", extra=extra)
+        c.start()
+        made.append(c)
+        return c
+
+    yield start
+    for c in made:
+        c.stop()
+
+
+@pytest.fixture
 def embedded(tmp_path):
     """An in-process coordinator (real HTTP on loopback) for fast client tests."""
     from tensorhub._state import StateConfig

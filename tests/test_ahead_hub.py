@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tensorhub.testing import CoordinatorProcess, Worker, digest, make_weights
+from tensorhub.testing import digest, make_weights
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,11 +36,8 @@ def _wait_subscribed(url: str, n: int, timeout: float = 30.0) -> list:
 
 
 @pytest.fixture
-def short_leases(tmp_path):
-    c = CoordinatorProcess(tmp_path / "state", extra=("--lease-ttl", "3"))
-    c.start()
-    yield c
-    c.stop()
+def short_leases(coordinator_with):
+    return coordinator_with("--lease-ttl", "3")
 
 
 def test_subscribers_read_the_next_version_from_one_plan(short_leases, workers):

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import tensorhub
-from tensorhub.testing import CoordinatorProcess, InMemoryTransport
+from tensorhub.testing import InMemoryTransport
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,11 +23,8 @@ NBYTES = 4 << 20
 
 
 @pytest.fixture
-def coord(tmp_path):
-    c = CoordinatorProcess(tmp_path / "state", extra=("--keep-versions", "1"))
-    c.start()
-    yield c
-    c.stop()
+def coord(coordinator_with):
+    return coordinator_with("--keep-versions", "1")
 
 
 def _known(observer, v: int) -> bool:
