@@ -15,10 +15,10 @@ seeding; ``pick_chunk`` for which chunk to read from which source; ``chunk_order
   (:data:`COORD_MS` ``bind`` per subscriber, measured by ``bench_routes.py --only ahead``): the
   readers of the publisher's datacenter join its plan in arrival order and the layout is fixed
   with all of them (``Plan.join`` then ``Plan.fix``: none late, no refresh), the others get the
-  usual grant right after; every answer leaves after the whole bind (``--ahead-deliver
-  batch``, as ``_coordinator.Subscribers.deliver``; ``stream``: one by one, not the code), in
-  plan order, each woken request's answer written by the event loop (``wake``, bench_fleet --burst); then
-  each reader reads at once (its grant carries the version's checksums: no manifest GET). ``--no-ahead``: leases asked
+  usual grant right after; then, in plan order, each grant is made and encoded (``grant``)
+  and its held request answered by the event loop (``wake``, bench_fleet --burst) before the
+  next grant (``--ahead-deliver stream``, as ``_coordinator.Subscribers.stream``; ``batch``:
+  every grant, then every answer, the code before); each reader reads at once (its grant carries the version's checksums: no manifest GET). ``--no-ahead``: leases asked
   after the publish (resolve, manifest, lease, queued), as below; ``--compare`` (default)
   prints both. ``elastic``'s newcomers hold no earlier version: never ahead;
 * **the coordinator is one queue.** Every call (resolve, the manifest GET, the serving
@@ -414,6 +414,14 @@ COORD_MS = {
     "heartbeat": 0.039,  # every worker, every HEARTBEAT_S
     "report": 0.058,  # the heartbeat of a worker that is reading (it carries a fetch report)
     # Subscribing ahead (tensorhub/_ahead.py), measured on the state machine (no HTTP) by
+    # ``python benchmarks/bench_routes.py --only ahead --reps 5``, 2026-12-06, quiet machine: the
+    # bind in the publisher's call (each offer registered, each subscriber in its plan, the
+    # layouts fixed) 0.108 ms per subscriber, then each grant made + encoded 0.105 ms
+    # (0.213 in all, median of 5 rounds 0.203-0.338), streamed once the version is durable
+    # (``_coordinator.Subscribers.stream``: each answered before the next is made).
+    "bind": 0.108,  # per subscriber, in the call that completes the version (all before any answer)
+    "grant": 0.105,  # per subscriber: its grant made from the fixed plan and encoded
+    # Earlier (before the grants were streamed), measured by
     # ``python benchmarks/bench_routes.py --only ahead --reps 5`` (1,024 subscribers on hosts of
     # 8, 50,000 tensors, offers as address runs; 15 s), this shared 2-core VM: ``bind_ahead`` +
     # encoding each grant (``LeaseAnswers.encode``, as ``Subscribers.deliver``; the grant carries
@@ -421,7 +429,6 @@ COORD_MS = {
     # machine, 5 rounds 0.160-0.295; an earlier loaded run 0.176); 170 ms for all 1,024, one
     # state call under the lock; the subscribe itself 0.001 ms in the state (before the
     # publish: not modelled).
-    "bind": 0.166,  # per subscriber, in the call that completes the version (all before any answer)
     # The event loop writing one woken held request's answer (the ASGI answer path; answers
     # encoded in the bind): coordinator CPU per answer between the first and the last answer,
     # measured on the real coordinator process by ``python benchmarks/bench_fleet.py --burst
@@ -582,13 +589,13 @@ class MapSim(Sim):
                  tick: float = 0.25e-3, fixed_calls: int = FIXED_CALLS, plans: bool = True,
                  coord: Optional[Coordinator] = None, checksum_bps: float = 0.0, queue_s: float = 0.0,
                  loop_s: Optional[float] = None, heartbeats: bool = True, ahead: bool = False,
-                 deliver: str = "batch", **kw) -> None:
+                 deliver: str = "stream", **kw) -> None:
         super().__init__(cl, nbytes, num_chunks, **kw)
         self.rtt, self.tick, self.fixed_calls = rtt, tick, fixed_calls
         #: Subscribed ahead (:meth:`_bind`): every reader's lease is held before the publish and
-        #: answered by the call that completes the version; ``deliver``: ``batch`` (the code:
-        #: every answer after the whole bind, then each written by the event loop) or
-        #: ``stream`` (NOT the code: each answer leaves as soon as its grant is made).
+        #: bound by the call that completes the version; ``deliver``: ``stream`` (the code: then
+        #: each grant made, encoded and its answer written by the event loop, one after the
+        #: other) or ``batch`` (the code before: every grant made, then every answer written).
         self.ahead, self.deliver = ahead, deliver
         self.bind_order: list = []
         self._binds_left = 0
@@ -722,20 +729,28 @@ class MapSim(Sim):
                        else "heartbeat", who)
                 continue
             self.now, self._cands = end, None
-            if kind == "bind":  # subscribed ahead: one per subscriber, back to back (one state call)
+            if kind == "bind":  # subscribed ahead: one per subscriber, back to back (the publisher's call)
                 self._binds_left -= 1
-                if self.deliver == "stream":
-                    if who == 0:
-                        self._bind()
-                    self._answered(self.mreaders[self.bind_order[who]], end)
-                elif self._binds_left == 0:  # the code: every grant made and encoded, then the wake-ups
-                    self._bind()
-                    for w in self.bind_order:
-                        co.ask(end, "wake", w)
+                if self._binds_left == 0:
+                    self._bind()  # offers registered, plans fixed; then the grants, in plan order
+                    self._pos = {w: i for i, w in enumerate(self.bind_order)}
+                    self._grants_left = len(self.bind_order)
+                    for w in self.bind_order[:1] if self.deliver == "stream" else self.bind_order:
+                        co.ask(end, "grant", w)
                 continue
             r = self.mreaders[who]
-            if kind == "wake":
+            if kind == "grant":  # made and encoded (``_coordinator.Subscribers.stream``)
+                self._grants_left -= 1
+                if self.deliver == "stream":
+                    co.ask(end, "wake", who)  # answered at once, before the next grant
+                elif self._grants_left == 0:  # batch: every grant first, then the wake-ups
+                    for w in self.bind_order:
+                        co.ask(end, "wake", w)
+            elif kind == "wake":
                 self._answered(r, end)
+                i = self._pos[who] + 1
+                if self.deliver == "stream" and i < len(self.bind_order):
+                    co.ask(end, "grant", self.bind_order[i])
             elif kind == "resolve":
                 co.ask(end, "manifest", who)
             elif kind == "manifest":
@@ -1261,7 +1276,7 @@ def make_sim(args: argparse.Namespace, cl: Cluster, nbytes: float, chunks: int, 
     return MapSim(cl, nbytes, chunks, rtt=args.rtt_us * 1e-6, tick=args.tick_ms / 1e3, fixed_calls=fixed_calls,
                   plans=getattr(args, "plans", True), coord=coordinator(args),
                   checksum_bps=checksum_rate(args, cpu_memory), queue_s=queue_s, ahead=getattr(args, "ahead", False),
-                  deliver=getattr(args, "ahead_deliver", "batch"), **kw)
+                  deliver=getattr(args, "ahead_deliver", "stream"), **kw)
 
 
 def workload(name: str, args: argparse.Namespace, dcs: int, nodes: Optional[int] = None,
@@ -1656,9 +1671,9 @@ def main() -> int:
                     help="chunkmap: readers follow the model and subscribe ahead (tensorhub/_ahead.py: leases held "
                          "before the publish, bound in the publish's call, the plans fixed at once; the code's "
                          "followers do this now); --no-ahead: the leases asked after the publish, queued")
-    ap.add_argument("--ahead-deliver", choices=("batch", "stream"), default="batch",
-                    help="asked ahead: batch (the code: every answer after the whole bind) or stream (NOT the code: "
-                         "each answer as soon as its grant is made)")
+    ap.add_argument("--ahead-deliver", choices=("batch", "stream"), default="stream",
+                    help="asked ahead: stream (the code: after the bind, each grant made and answered in turn) or "
+                         "batch (the code before: every grant made, then every answer written)")
     ap.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the other --ahead/--no-ahead model (same-host path of the table) and print both")
     ap.add_argument("--beside", choices=(*SAMEHOST_PATHS, "off"), default="nvlink",
@@ -1755,9 +1770,10 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
               f"{c['release'] * 1e3:.3f}, heartbeats {c['heartbeat'] * 1e3:.3f} / {c['report'] * 1e3:.3f} every "
               f"{HEARTBEAT_S:g} s; "
               + (f"subscribed ahead (--ahead, the default): the publish's call binds every subscriber at "
-                 f"{c['bind'] * 1e3:.3f} ms each ({args.ahead_deliver}: "
-                 + ("every answer after the whole bind, as the code" if args.ahead_deliver == "batch" else
-                    "each answer as its grant is made, NOT the code") + f"), a wake-up {c['wake'] * 1e3:.3f} ms "
+                 f"{c['bind'] * 1e3:.3f} ms each, then ({args.ahead_deliver}: "
+                 + ("every grant, then every answer: the code before" if args.ahead_deliver == "batch" else
+                    "each grant and its answer in turn, as the code") + f") a grant {c['grant'] * 1e3:.3f} ms and "
+                 f"a wake-up {c['wake'] * 1e3:.3f} ms "
                  "each, then each reader reads (no manifest GET: the grant carries the checksums); " if getattr(args, "ahead", False) else
                  "leases asked after the publish (--no-ahead); ")
               + f"the plan's forming window {WINDOW * 1e3:.0f} ms (tensorhub._stripes.WINDOW); "

@@ -16,9 +16,11 @@ publisher's replica registers), :func:`bind` runs in the same state call:
    plan of its datacenter in arrival order (``Grants.join_ahead``); then each plan's layout
    is fixed at once (``_stripes.Plan.fix``), with every subscriber in it: no forming
    window, no refresh to learn the fixed layout, nobody late;
-3. each subscriber's grant is made (``Grants.acquire_lease``: the usual answer, made from
-   the fixed layout) and handed to the HTTP shell, which encodes them all and wakes the
-   held requests in plan order (``_coordinator.Subscribers``): one answer each.
+3. once the version is durable, the HTTP shell makes each subscriber's grant in plan order
+   (:func:`grant`: ``Grants.acquire_lease``, the usual answer from the fixed layout),
+   encodes it and answers that held request at once, before the next grant is made
+   (``_coordinator.Subscribers.stream``): the root's first children read while the last
+   subscribers' grants are still being made.
 
 A subscriber whose offer does not fit the version (its tensors differ: ``shape_digest``)
 is granted a lease without a partial replica (``serve_refused`` says why) and reads the
@@ -44,7 +46,7 @@ from ._exceptions import ConflictError, CoordinatorError, InvalidRequestError, N
 from ._registry import ShardKey
 from ._wire import AcquireLease, LeaseGrant, VersionSums, shape_digest
 
-__all__ = ["GRACE", "MAX_PENDING", "Sub", "Subscriptions", "subscribe", "bind"]
+__all__ = ["GRACE", "MAX_PENDING", "Bound", "Sub", "Subscriptions", "subscribe", "bind", "grant"]
 
 #: Seconds past a held poll's ``wait`` a subscription stays without being asked again
 #: (the reader's next poll is on its way).
@@ -181,12 +183,17 @@ def granted(st: Any, at: AcquireLease, grant: LeaseGrant, refused: str) -> Lease
     return grant
 
 
-Bound = Union[LeaseGrant, CoordinatorError]
+#: A bound subscriber: (its lease request on the version, why its offer was dropped or ""),
+#: its grant to be made by :func:`grant`; or the error it is answered with.
+Bound = Union[tuple[AcquireLease, str], CoordinatorError]
 
 
 def bind(st: Any, now: float, models: set) -> list[tuple[str, str, Bound]]:
-    """Versions of ``models`` just completed: answer the subscriptions they satisfy (module
-    docstring). Returns (worker id, request id, grant or error) in plan order."""
+    """Versions of ``models`` just completed: bind the subscriptions they satisfy (module
+    docstring): offers registered, every subscriber in its plan, the layouts fixed. Returns
+    (worker id, request id, what to grant or the error) in plan order; the grants are made
+    one by one by :func:`grant` (the coordinator's shell streams them, answering each as it
+    is made, once the version is durable)."""
     out: list[tuple[str, str, Bound]] = []
     for model in sorted(models):
         newest = st.latest(model)
@@ -212,13 +219,17 @@ def bind(st: Any, now: float, models: set) -> list[tuple[str, str, Bound]]:
         first = [x for x in reqs if st.plan_of.get((_key(x[1]), x[0].worker_id)) in plans]
         rest = [x for x in reqs if st.plan_of.get((_key(x[1]), x[0].worker_id)) not in plans]
         first.sort(key=lambda x: _order(st, x[1], x[0].worker_id))
-        for r, at, refused in first + rest:
-            try:
-                out.append((r.worker_id, str(r.request_id), granted(st, at, st.acquire_lease(now, at), refused)))
-            except CoordinatorError as e:
-                out.append((r.worker_id, str(r.request_id), e))
-        st.joined.clear()
+        out += [(r.worker_id, str(r.request_id), (at, refused)) for r, at, refused in first + rest]
     return out
+
+
+def grant(st: Any, now: float, at: AcquireLease, refused: str) -> LeaseGrant:
+    """The grant of one bound subscriber (``bind``): the usual grant, made from its plan's
+    fixed layout (its offer was registered when it joined)."""
+    try:
+        return granted(st, at, st.acquire_lease(now, at), refused)
+    finally:
+        st.joined.pop((_key(at), at.worker_id), None)
 
 
 def _key(req: AcquireLease) -> tuple:

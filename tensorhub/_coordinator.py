@@ -85,9 +85,9 @@ class _Watch:
 
 class Subscribers:
     """Held ``POST /v1/leases?wait=`` requests asked ahead (``_ahead``), by (worker id,
-    request id). ``deliver`` gets the grants a completed version bound (in plan order),
-    encodes every answer first and then wakes the requests in that order: each woken
-    request only sends its bytes. ``deliver`` may be called from any thread."""
+    request id). ``stream`` gets the subscribers a completed version bound (in plan order)
+    once that version is durable, and makes, encodes and answers their grants one by one on
+    the event loop, each answer sent before the next grant is made (``_ahead``)."""
 
     def __init__(self) -> None:
         #: (worker id, request id) -> (its future, when the request arrived: ``time.monotonic()``)
@@ -110,23 +110,44 @@ class Subscribers:
         if hit is not None and hit[0] is fut:
             del self._waiters[(worker_id, request_id)]
 
-    def deliver(self, bound: list, encode: Callable[[Any], bytes], at: float) -> None:
-        """``bound``: (worker id, request id, grant or CoordinatorError), granted at ``at``
-        (``time.monotonic()``, read before): each grant says how long after its request
-        arrived it was granted (``LeaseGrant.granted_after``: the reader's lease clock). A
-        request between two polls finds its grant when it asks again."""
-        waiters = dict(self._waiters)  # (a snapshot: the loop may change it meanwhile)
-        answers = []
-        for w, r, x in bound:
-            hit = waiters.get((w, r))
-            if hit is None:
-                continue
-            if not isinstance(x, CoordinatorError):
-                x = encode(x.model_copy(update={"granted_after": max(0.0, at - hit[1])}))
-            answers.append((w, r, x))
+    def stream(self, bound: list, make: Callable[..., Any], encode: Callable[[Any], bytes]) -> None:
+        """Answer bound subscribers (``bound``: (worker id, request id, (request, refused) or
+        CoordinatorError), plan order) one by one on the event loop: ``make(request,
+        refused)`` makes a grant (raising CoordinatorError to answer that instead), which is
+        encoded and its held request answered at once, before the next is made (the answer
+        is sent meanwhile). Each grant says how long after its request arrived it was made
+        (``LeaseGrant.granted_after``: the reader's lease clock; read before the grant, so
+        never later than it). A request between two polls finds its grant when it asks
+        again. May be called from any thread."""
         loop = self._loop
-        if answers and loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake, answers)
+        if loop is None or loop.is_closed():  # nobody ever held a request here: grants made, kept
+            for _, _, x in bound:
+                self._make(make, x)
+            return
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._stream(bound, make, encode)))
+
+    @staticmethod
+    def _make(make: Callable[..., Any], x: Any) -> Any:
+        if isinstance(x, CoordinatorError):
+            return x
+        try:
+            return make(*x)
+        except CoordinatorError as e:
+            return e
+
+    async def _stream(self, bound: list, make: Callable[..., Any], encode: Callable[[Any], bytes]) -> None:
+        for w, r, x in bound:
+            at = time.monotonic()
+            x = self._make(make, x)
+            hit = self._waiters.pop((w, r), None)
+            if hit is None or hit[0].done():
+                continue
+            fut, arrived = hit
+            if not isinstance(x, CoordinatorError):
+                x = encode(x.model_copy(update={"granted_after": max(0.0, at - arrived)}))
+            fut.set_result(x)
+            self.delivered += 1
+            await asyncio.sleep(0)  # the woken request sends its answer before the next grant
 
     def wake_pending(self, answers: list) -> None:
         """Answer these held requests "pending" (``answers``: (worker, request id, None))."""
@@ -174,8 +195,8 @@ class Coordinator:
         self._seq = self._durable = 0
         self._lost: list[tuple[int, int, CoordinatorError]] = []
         #: Leases asked ahead and bound, waiting for their version's commit: (sequence
-        #: number of that batch, (worker, request id, grant or error), bound at).
-        self._bound: list[tuple[int, list, float]] = []
+        #: number of that batch, [(worker, request id, (request, refused) or error)]).
+        self._bound: list[tuple[int, list]] = []
         self.election = election
         #: An elected coordinator whose state is loaded (always True without an election).
         self.serving = election is None
@@ -280,7 +301,6 @@ class Coordinator:
                     self.watch.notify(completed)
                     if self.state.ahead:  # leases asked ahead: bound in the same call
                         try:
-                            at = time.monotonic()
                             bound = self.state.bind_ahead(self.clock(), completed)
                         except Exception:  # (never fails the publish; the polls ask again)
                             logger.exception("answering the leases asked ahead of %s failed", sorted(completed))
@@ -292,7 +312,7 @@ class Coordinator:
                         if table == "retire":
                             self.manifests.forget(*key)
                 if bound:  # answered once the version they name is durable (``deliver_durable``)
-                    self._bound.append((self._seq, bound, at))
+                    self._bound.append((self._seq, bound))
             return result, self._seq
 
     def deliver_durable(self) -> None:
@@ -303,8 +323,12 @@ class Coordinator:
         with self.lock:
             ready = [b for b in self._bound if b[0] <= self._durable]
             self._bound = [b for b in self._bound if b[0] > self._durable]
-        for _, bound, at in ready:
-            self.subscribers.deliver(bound, self.lease_answers.encode, at)
+        for _, bound in ready:
+            self.subscribers.stream(bound, self._grant_ahead, self.lease_answers.encode)
+
+    def _grant_ahead(self, at: Any, refused: str) -> Any:
+        """One bound subscriber's grant (``CoordinatorState.grant_ahead``; soft: leases only)."""
+        return self.call(lambda now: self.state.grant_ahead(now, at, refused), soft=True)
 
     def sync(self, seq: int) -> None:
         """Return once every write queued up to ``seq`` is durable (committing what is
@@ -350,16 +374,12 @@ class Coordinator:
             self.election.resign(f"commit failed: {e}")
 
     def _revoke(self, lost: list) -> None:
-        """Grants bound to a version whose commit failed: never answered; their leases
-        dropped, and each held request answered "pending" (it asks again and is held again
-        until the version is published anew). Under ``lock``."""
+        """Subscribers bound to a version whose commit failed: never granted; each held
+        request answered "pending" (it asks again and is held again until the version is
+        published anew). Under ``lock``."""
         pending = []
-        for _, bound, _ in lost:
-            for w, r, x in bound:
-                if not isinstance(x, CoordinatorError):
-                    self.state.lease_requests.pop((w, r), None)
-                    if x.lease_id in self.state.leases:
-                        self.state.registry.drop_lease(x.lease_id)
+        for _, bound in lost:
+            for w, r, _ in bound:  # (bound, no grant made yet: nothing to take back but the answer)
                 pending.append((w, r, None))
         if pending:
             self.subscribers.wake_pending(pending)

@@ -462,9 +462,13 @@ class CoordinatorState(Grants):
         return _ahead.subscribe(self, self._now(now), req, wait)
 
     def bind_ahead(self, now: float, models: set) -> list:
-        """Answer the subscriptions that versions of ``models`` just completed satisfy
-        (``_ahead.bind``)."""
+        """Bind the subscriptions that versions of ``models`` just completed satisfy
+        (``_ahead.bind``); their grants are made by :meth:`grant_ahead`."""
         return _ahead.bind(self, self._now(now), models) if self.ahead else []
+
+    def grant_ahead(self, now: float, at: AcquireLease, refused: str) -> LeaseGrant:
+        """One bound subscriber's grant (``_ahead.grant``)."""
+        return _ahead.grant(self, self._now(now), at, refused)
 
     def _check_partial(self, req: RegisterReplica, known: Optional[Manifest]) -> None:
         where = f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}"

@@ -53,7 +53,8 @@ def _publish(st, now, man, checksums=None):
                                              addresses=[1 << 20], num_shards=1))
     completed = st.catalog.take_completed()
     assert completed == {"m"}
-    return v, st.bind_ahead(now, completed)
+    return v, [(w, r, x if isinstance(x, CoordinatorError) else st.grant_ahead(now, *x))
+               for w, r, x in st.bind_ahead(now, completed)]
 
 
 @pytest.mark.parametrize("n", [3, 12, 64])
@@ -212,7 +213,8 @@ def test_a_bound_lease_is_answered_only_once_its_version_is_durable_and_never_if
     store = SlowStore(tmp_path / "state", delay=0.5)
     coord = Coordinator(None, StateConfig(lease_ttl=30.0, worker_ttl=30.0, pause_grace=1e9), store=store)
     delivered, pending = [], []
-    coord.subscribers.deliver = lambda bound, encode, at: delivered.append((time.monotonic(), bound))
+    coord.subscribers.stream = lambda bound, make, encode: delivered.append(
+        (time.monotonic(), [(w, r, make(*x)) for w, r, x in bound]))
     coord.subscribers.wake_pending = lambda answers: pending.extend(answers)
     st = coord.state
     try:
@@ -250,7 +252,7 @@ def test_a_bound_lease_is_answered_only_once_its_version_is_durable_and_never_if
                 worker_id="pub", model="m", version=v3, manifest=man, addresses=[1 << 20], num_shards=1)))
         store.fail = False
         assert len(delivered) == 1 and pending == [("w0", "q3", None)]
-        assert ("w0", "q3") not in st.lease_requests
+        assert ("w0", "q3") not in st.lease_requests  # never granted
         assert not [l for l in st.leases.values() if l.version == v3]
         assert coord.call(lambda now: _ask(st, 0, v2 + 1, now, man, request_id="q3")) is None  # held again
     finally:

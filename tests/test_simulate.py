@@ -220,8 +220,8 @@ def test_kimi_scenario_prints_beside_the_published_figures(tmp_path: Path):
 def test_subscribed_ahead_every_reader_is_a_member_of_a_plan_fixed_at_the_publish(deliver):
     """Subscribe ahead (tensorhub/_ahead.py, the default of the benchmark): every lease is held
     before the publish and bound in the publish's call (COORD_MS['bind'] each, back to back),
-    the plan's layout fixed with every reader in it (Plan.fix: none late, no refresh); the
-    answers leave after the whole bind (batch, the code) or one by one (stream, not the code);
+    the plan's layout fixed with every reader in it (Plan.fix: none late, no refresh); then
+    each grant is made and answered in turn (stream, the code) or every grant first (batch);
     then each reader reads at once (its grant carries the checksums: no manifest GET) and
     releases+registers: 2 calls."""
     S = _sim()
@@ -237,15 +237,16 @@ def test_subscribed_ahead_every_reader_is_a_member_of_a_plan_fixed_at_the_publis
     served = out["coord_served"]
     assert served["bind"] == served["release"] == 32 and "lease" not in served and "manifest" not in served
     assert nbytes <= out["from_trainer_bytes"] <= 1.05 * nbytes
-    bind, wake = S.COORD_MS["bind"] / 1e3, S.COORD_MS["wake"] / 1e3
+    bind, grant, wake = S.COORD_MS["bind"] / 1e3, S.COORD_MS["grant"] / 1e3, S.COORD_MS["wake"] / 1e3
     plan = next(iter(sim.plans.values()))
     assert sim.bind_order == [int(w) for w in plan.members]  # answered in plan order
     first = sim.mreaders[sim.bind_order[0]].start_t
-    if deliver == "batch":  # nobody's answer before the whole bind (and its wake-up)
-        assert first == pytest.approx(32 * bind + wake, rel=1e-6)
-        assert out["last_lease_s"] == pytest.approx(32 * (bind + wake), rel=1e-6)
-    else:
-        assert first == pytest.approx(bind, rel=1e-6) and out["last_lease_s"] == pytest.approx(32 * bind, rel=1e-6)
+    if deliver == "batch":  # the code before: every grant made, then the wake-ups
+        assert first == pytest.approx(32 * (bind + grant) + wake, rel=1e-6)
+        assert out["last_lease_s"] == pytest.approx(32 * (bind + grant + wake), rel=1e-6)
+    else:  # the code: the whole bind, then each grant and its answer in turn (nothing else queued here)
+        assert first == pytest.approx(32 * bind + grant + wake, rel=1e-6)
+        assert out["last_lease_s"] == pytest.approx(32 * (bind + grant + wake), rel=1e-6)
     assert all(r.read_t == r.start_t for r in rs)  # each reads once its answer came (no manifest GET)
     # asked after the publish, the same readers take longer (the leases queue, a forming window)
     after = S.MapSim(cl, nbytes, 128, readers=tuple(range(32)), max_sources=4).run()
