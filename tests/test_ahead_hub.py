@@ -74,8 +74,8 @@ def test_subscribers_read_the_next_version_from_one_plan(short_leases, workers):
     assert v3 == v2 + 1
 
 
-def test_a_killed_subscriber_other_tensors_and_no_version_in_time(coordinator, workers):
-    url = coordinator.url
+def test_a_killed_subscriber_other_tensors_and_no_version_in_time(coordinator_with, workers):
+    url = coordinator_with("--worker-ttl", "2").url
     pub = workers(url, "pub")
     a, b, doomed = (workers(url, n) for n in ("a", "b", "doomed"))
     v1 = pub.call("publish", seed=1, nbytes=NBYTES)
@@ -85,15 +85,20 @@ def test_a_killed_subscriber_other_tensors_and_no_version_in_time(coordinator, w
     t0 = time.monotonic()
     assert a.call("fetch_next", after=v1, wait=1.0) is None
     assert 0.9 < time.monotonic() - t0 < 10
-    # a subscriber killed before the publish: dropped; the others read v2 as usual
+    # a subscriber killed before the publish: its subscription goes with its worker (heartbeat
+    # lapsed), so it is nobody's parent; the others read v2 from the publisher and each other
     for r in (a, b, doomed):
         r.send("fetch_next", after=v1, wait=60.0)
     _wait_subscribed(url, 3)
     doomed.kill()
-    time.sleep(4.0)  # its heartbeat lapses (TENSORHUB_HEARTBEAT_INTERVAL 0.5 s; worker ttl of the coordinator)
+    deadline = time.monotonic() + 30
+    while "doomed" in {s["worker_id"] for s in _subscribers(url)}:
+        assert time.monotonic() < deadline, "the dead subscriber was never dropped"
+        time.sleep(0.1)
     v2 = pub.call("publish", seed=2, nbytes=NBYTES)
     want = digest(make_weights(2, NBYTES))
-    assert a.result(120)["digest"] == want and b.result(120)["digest"] == want
+    got = [a.result(120), b.result(120)]
+    assert all(g["digest"] == want and "doomed" not in g["sources"] for g in got), got
     # the next version has other tensors than the destination: read the usual way
     for r in (a, b):
         r.send("fetch_next", after=v2, wait=60.0)
@@ -103,3 +108,33 @@ def test_a_killed_subscriber_other_tensors_and_no_version_in_time(coordinator, w
     for r in (a, b):
         g = r.result(120)
         assert g["version"] == v3 and g["digest"] == want3
+
+
+def test_a_member_hung_at_the_publish_is_read_around_and_catches_up(coordinator_with, workers):
+    """A subscriber stopped (SIGSTOP: both planes) just before the publish is still alive for
+    the coordinator, so it is bound into the plan as a member and named as a parent. Its
+    children stall, read around it (after 0.5 s without progress, any source; its worker
+    expires and its partial replica goes) and get every byte; resumed, it reads v2 too."""
+    import os
+    import signal
+
+    url = coordinator_with("--worker-ttl", "3").url
+    pub = workers(url, "pub")
+    readers = [workers(url, f"r{k}", locality={"host": f"h{k}"}) for k in range(5)]
+    v1 = pub.call("publish", seed=1, nbytes=NBYTES)
+    for r in readers:
+        r.call("fetch", version=v1)
+    for r in readers:
+        r.send("fetch_next", after=v1, wait=60.0)
+    _wait_subscribed(url, 5)
+    hung = readers[0]  # the first to subscribe: carries stripe 0, straight from the publisher
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        v2 = pub.call("publish", seed=2, nbytes=NBYTES)
+        want = digest(make_weights(2, NBYTES))
+        got = [r.result(120) for r in readers[1:]]
+        assert all(g["version"] == v2 and g["digest"] == want for g in got), got
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+    g = hung.result(120)  # its answer was waiting; its worker re-registers; it reads v2 whole
+    assert g["version"] == v2 and g["digest"] == want
