@@ -94,6 +94,17 @@ def format_status(st: dict) -> str:
                          f"{_size(f['nbytes'])}/{_size(f['total'])}{pct}", f"{gbps:.2f}",
                          ",".join(sorted(f["sources"], key=lambda w: -f["sources"][w])) or "-"])
         out.extend(_table(rows))
+    subs = st.get("subscribers") or []
+    if subs:  # leases asked ahead, held until their version is published (_ahead)
+        out.append("")
+        held: dict = {}
+        for x in subs:
+            k = (x["model"], x["layout"], x["shard"], x["version"])
+            held[k] = held.get(k, 0) + 1
+        rows = [["SUBSCRIBED AHEAD", "LAYOUT#SHARD", "FOR VERSION", "READERS"]]
+        for (model, layout, shard, v), n in sorted(held.items()):
+            rows.append([model, f"{layout}#{shard}", f">= {v}", str(n)])
+        out.extend(_table(rows))
     for g in st.get("fleets") or []:
         out.append("")
         out.append(f"fleet group {g['group']} ({g['model']}, switch {g['switch']}): v{g['version']}"

@@ -310,7 +310,14 @@ def test_fetch_next_waits_then_reads_and_says_none_when_nothing_came(connect):
     api.manifest = lambda *a, **kw: asked.append(a) or real(*a, **kw)
     t = threading.Thread(target=lambda: box.append(reader.fetch_next("m", v1, wait=30.0)))
     t.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while not pub.api.get("/v1/status")["subscribers"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    from tensorhub.cli import format_status
+
+    text = format_status(pub.api.get("/v1/status"))  # what `tensorhub status` shows
+    assert "SUBSCRIBED AHEAD" in text and f">= {v1 + 1}" in text, text
     w2 = {k: torch.randn_like(x) for k, x in w1.items()}
     v2 = pub.publish("m", w2)
     t.join(30)
