@@ -85,6 +85,20 @@ def worker(argv: list[str]) -> int:  # pragma: no cover - runs in a child proces
                 good = want.keys() == f.keys() and all(torch.equal(f[k], want[k]) for k in want)
                 say(ok={"version": f.version, "start": t0, "end": t1, "cpu": c1 - c0, "sources": f.sources,
                         "nbytes": f.nbytes, "bytes_ok": good, "failed": list(f.failed_sources)})
+            elif op == "fetch_next":  # subscribe ahead (``Hub.fetch_next``): asked before the version exists
+                t0, c0 = time.time(), time.process_time()
+                f = hub.fetch_next("policy", cmd["after"], wait=120.0)
+                t1, c1 = time.time(), time.process_time()
+                held[f.version] = f
+                want = _weights(torch, cmd["mib"], cmd["seed"])
+                good = want.keys() == f.keys() and all(torch.equal(f[k], want[k]) for k in want)
+                say(ok={"version": f.version, "start": t0, "end": t1, "cpu": c1 - c0, "sources": f.sources,
+                        "nbytes": f.nbytes, "bytes_ok": good, "failed": list(f.failed_sources),
+                        "read_s": f.seconds})
+            elif op == "subscribers":  # leases held ahead now (``/v1/status``)
+                import httpx
+
+                say(ok=len(httpx.get(a.url.split(",")[0] + "/v1/status", timeout=10).json()["subscribers"]))
             elif op == "unpublish":
                 for v in [v for v in held if v in cmd["versions"]]:
                     try:
@@ -201,6 +215,40 @@ def _round(pub: Proc, readers: list[Proc], mib: int, seed: int, tensorhub_mode: 
             "from_publisher": sum(x["sources"].get(pub.name, 0) for x in res.values()) / (mib * MiB)}
 
 
+def _round_ahead(pub: Proc, readers: list[Proc], mib: int, seed: int, after: dict) -> dict:
+    """As :func:`_round`, the readers subscribed ahead (``Hub.fetch_next`` after the version
+    each holds, ``after``): held before the publish; the clock starts before the publish (its
+    registration is what answers them)."""
+    before = pub.call(op="requests")
+    for r in readers:
+        r.send(op="fetch_next", after=after[r.name], mib=mib, seed=seed)
+    deadline = time.time() + 60
+    while pub.call(op="subscribers") < len(readers):
+        assert time.time() < deadline, "the readers did not subscribe"
+        time.sleep(0.05)
+    before = pub.call(op="requests")  # (their held polls: counted below as one call each)
+    p0 = _cpu_s(pub.p.pid)
+    t0 = time.time()
+    v = pub.call(op="publish", mib=mib, seed=seed)
+    res = {r.name: r.recv() for r in readers}
+    pub_cpu = _cpu_s(pub.p.pid) - p0
+    t_all = max(x["end"] for x in res.values()) - t0
+    reader_cpu = sum(x["cpu"] for x in res.values())
+    calls = _reader_calls(before, pub.call(op="requests"), len(readers)) + 1  # + the held lease
+    bad = [k for k, x in res.items() if not x["bytes_ok"] or x["version"] != v]
+    assert not bad, f"readers {bad} got wrong bytes"
+    for r in readers:
+        after[r.name] = v
+        r.call(op="unpublish", versions=[v])
+    pub.call(op="unpublish", versions=[v - 1]) if v > 1 else None
+    return {"version": v, "seconds": t_all, "per_reader": {k: x["end"] - t0 for k, x in res.items()},
+            "sources": {k: x["sources"] for k, x in res.items()}, "failed": {k: x.get("failed") for k, x in res.items()},
+            "started": {k: x["end"] - x["read_s"] - t0 for k, x in res.items()},
+            "calls_per_reader": calls, "reader_cpu_s": reader_cpu, "publisher_cpu_s": pub_cpu,
+            "cpu_busy": (reader_cpu + pub_cpu) / ((os.cpu_count() or 1) * t_all),
+            "from_publisher": sum(x["sources"].get(pub.name, 0) for x in res.values()) / (mib * MiB)}
+
+
 # ---------------------------------------------------------------- scenarios
 def fanout(args: argparse.Namespace, out: Path) -> dict:
     from testbed import Testbed
@@ -218,12 +266,20 @@ def fanout(args: argparse.Namespace, out: Path) -> dict:
             pub2 = Proc(tb, "a0", url2, out)
             readers2 = [Proc(tb, f"a{k + 1}", url2, out) for k in range(max(ns))]
             modes.insert(1, ("no-plans", True, pub2, readers2))
+        if args.ahead:  # followers: each asks the next version's lease ahead (after the round before)
+            modes.insert(1, ("ahead", True, pub, readers))
         seed = 0
+        held: dict = {}  # reader -> the version it read last (what it subscribes after)
         for n in ns:
             row = {"readers": n}
             for mode, flag, p_, rs in modes:
                 seed += 1
-                r = _round(p_, rs[:n], args.mib, seed, flag)
+                if mode == "ahead":
+                    r = _round_ahead(p_, rs[:n], args.mib, seed, held)
+                else:
+                    r = _round(p_, rs[:n], args.mib, seed, flag)
+                    if mode == "tensorhub":
+                        held.update({x.name: r["version"] for x in rs[:n]})
                 row[mode] = r["seconds"]
                 row[f"{mode}_calls_per_reader"] = r["calls_per_reader"]
                 row[f"{mode}_from_publisher_x"] = r["from_publisher"]
@@ -256,6 +312,15 @@ def fanout(args: argparse.Namespace, out: Path) -> dict:
           "less heartbeats and the publisher's two, over the readers; CPU busy: the readers' processes during "
           f"their fetches and the publisher's, over {os.cpu_count()} cores x the round (the hosts share them); "
           "CPU s/reader: one reader's process during its fetch, data plane included")
+    if args.ahead:
+        print(f"\nthe same rounds, the readers subscribed ahead (hub.fetch_next; interleaved; clock from before the "
+              f"publish):\n{'N':>3} {'ahead s':>8} {'AH/AH(N=1)':>11} {'ahead/asked after':>18} {'pub bytes (x)':>14} "
+              f"{'calls/reader':>13} {'CPU busy':>9}")
+        for row in rows:
+            print(f"{row['readers']:>3} {row['ahead']:>8.2f} {row['ahead'] / rows[0]['ahead']:>11.2f} "
+                  f"{row['ahead'] / row['tensorhub']:>18.2f} {row['ahead_from_publisher_x']:>14.2f} "
+                  f"{row['ahead_calls_per_reader']:>13.1f} {row['ahead_cpu_busy']:>9.0%}")
+            row["ahead_vs_own_n1"] = row["ahead"] / rows[0]["ahead"]
     if args.compare_plans:
         print(f"\nthe same rounds on a coordinator with --no-plans (interleaved):\n{'N':>3} {'no-plans s':>11} "
               f"{'NP/NP(N=1)':>11} {'pub bytes (x)':>14} {'plans/no-plans':>15} {'CPU busy':>9} {'CPU s/reader':>13}")
@@ -469,6 +534,8 @@ def main() -> int:
     ap.add_argument("--host-rate", default="1gbit")
     ap.add_argument("--xdc-rate", default="100mbit")
     ap.add_argument("--out", default="out")
+    ap.add_argument("--ahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="fanout: also rounds whose readers subscribe ahead (hub.fetch_next), interleaved")
     ap.add_argument("--compare-plans", action="store_true",
                     help="fanout: also the same round on a coordinator started with --no-plans, side by side")
     args = ap.parse_args()

@@ -1552,6 +1552,10 @@ def validate(path: Path, args: argparse.Namespace) -> list[dict]:
         with_cores = sim if cores.cpu == float("inf") else make_sim(a, cores, nbytes, chunks, **kw).run()
         single = Sim(cl, nbytes, chunks, readers=readers, policy="single-source", pipelined=False,
                      report_s=0.05, refresh_s=0.05).run()
+        ahead = None
+        if r.get("ahead") is not None:  # the testbed's rounds whose readers subscribed ahead
+            a2 = argparse.Namespace(**dict(vars(a), ahead=True))
+            ahead = make_sim(a2, cores if cores.cpu != float("inf") else cl, nbytes, chunks, **kw).run()
         floor = cpu_floor(meas, n)
         model = with_cores["seconds"]
         rows.append({"readers": n, "measured_tensorhub": r["tensorhub"], "model_network": sim["seconds"],
@@ -1562,7 +1566,13 @@ def validate(path: Path, args: argparse.Namespace) -> list[dict]:
                      "measured_pub_x": r.get("tensorhub_from_publisher_x"),
                      "model_pub_x": sim["from_trainer_bytes"] / nbytes,
                      "measured_single": r["single-source"], "model_single": single["seconds"],
-                     "err_single": single["seconds"] / r["single-source"] - 1})
+                     "err_single": single["seconds"] / r["single-source"] - 1,
+                     "measured_ahead": r.get("ahead"), "model_ahead": None if ahead is None else ahead["seconds"],
+                     "err_ahead": None if ahead is None else ahead["seconds"] / r["ahead"] - 1,
+                     "measured_ahead_calls": r.get("ahead_calls_per_reader"),
+                     "model_ahead_calls": None if ahead is None else ahead.get("calls_mean"),
+                     "measured_ahead_pub_x": r.get("ahead_from_publisher_x"),
+                     "model_ahead_pub_x": None if ahead is None else ahead["from_trainer_bytes"] / nbytes})
     return rows
 
 
@@ -1582,6 +1592,17 @@ def print_validation(rows: list[dict], meas: dict) -> None:
               f"{r['err_network']:>+7.1%} {fl:>10} {r['model_tensorhub']:>9.2f} "
               f"{r['err_tensorhub']:>+7.1%} {r['measured_single']:>12.2f} {r['model_single']:>13.2f} "
               f"{r['err_single']:>+7.1%} {mc:>10} {cm:>11} {px:>10} {r['model_pub_x']:>11.2f}")
+    if any(r.get("measured_ahead") is not None for r in rows):
+        print("the readers subscribed ahead (hub.fetch_next; the model with --ahead, the same cores):")
+        print(f"{'N':>3} {'meas s':>8} {'model s':>8} {'err':>7} {'vs N=1 meas':>12} {'calls meas':>10} "
+              f"{'calls model':>11} {'pub x meas':>10} {'pub x model':>11}")
+        first = rows[0].get("measured_ahead") or 1.0
+        for r in rows:
+            if r.get("measured_ahead") is None:
+                continue
+            print(f"{r['readers']:>3} {r['measured_ahead']:>8.2f} {r['model_ahead']:>8.2f} {r['err_ahead']:>+7.1%} "
+                  f"{r['measured_ahead'] / first:>12.2f} {r['measured_ahead_calls']:>10.1f} "
+                  f"{r['model_ahead_calls']:>11.1f} {r['measured_ahead_pub_x']:>10.2f} {r['model_ahead_pub_x']:>11.2f}")
     errs = [abs(r["err_tensorhub"]) for r in rows]
     net = [abs(r["err_network"]) for r in rows]
     print(f"TensorHub: largest |error| {max(errs):.1%}, mean {sum(errs) / len(errs):.1%} (target within 10%); "
