@@ -376,8 +376,8 @@ def fetch_next(st: WorkerState, after: int, *, into: Optional[Mapping[str, Any]]
     t0 = time.monotonic()
     got = st.hub.fetch_next(s.model, after, into=into, wait=wait, timeout=s.fetch_timeout)
     if got is not None:
-        logger.info("tensorhub: fetched %s v%d asked ahead: %.1f MB in %.2fs (%.2f GB/s) from %s%s; %.2fs after "
-                    "the ask", s.model, got.version, got.nbytes / 1e6, got.seconds, got.gbps, got.sources,
+        logger.info("tensorhub: fetched %s v%d (hf, asked ahead): %.1f MB in %.2fs (%.2f GB/s) from %s%s; %.2fs "
+                    "after the ask", s.model, got.version, got.nbytes / 1e6, got.seconds, got.gbps, got.sources,
                     "; into the kept copy of an older version" if into is not None else "", time.monotonic() - t0)
     return got
 

@@ -85,7 +85,7 @@ def test_prefetched_version_swaps_without_a_transfer(tmp_path):
         log = eng.log_tail(400_000)  # (the worker's lines come through once it answered the swap)
         line = next(l for l in log.splitlines() if f"-> v{v3}:" in l)
         assert "prefetched before the swap" in line, line
-        assert f"fetched policy v{v3} asked ahead" in log, log[-3000:]
+        assert f"fetched policy v{v3} (hf, asked ahead)" in log, log[-3000:]
         trainer.unpublish("policy", v3, timeout=30)
         got = trainer.fetch("policy", v3, serve=False)  # the engine's copy, read into the kept one
         assert set(got.sources) == {"engine-p"} and _digest(got) == _digest(w3)
