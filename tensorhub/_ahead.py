@@ -70,10 +70,9 @@ class Subscriptions:
 
     def __init__(self) -> None:
         self.pending: dict[tuple[str, str, int], dict[str, Sub]] = {}
-        self.count = 0
 
     def __bool__(self) -> bool:
-        return self.count > 0
+        return bool(self.pending)  # (an emptied shard's entry is always removed)
 
     def add(self, now: float, req: AcquireLease, wait: float) -> None:
         subs = self.pending.setdefault((req.model, req.layout, req.shard), {})
@@ -83,11 +82,11 @@ class Subscriptions:
             return
         if old is not None:
             del subs[req.worker_id]
-        elif self.count >= MAX_PENDING:
-            raise ConflictError(f"{self.count} readers already subscribe ahead; read after the publish",
+        elif self.held() >= MAX_PENDING:
+            if not subs:
+                del self.pending[(req.model, req.layout, req.shard)]
+            raise ConflictError(f"{self.held()} readers already subscribe ahead; read after the publish",
                                 "too_many_subscribers")
-        else:
-            self.count += 1
         subs[req.worker_id] = Sub(req, now, now + wait + GRACE)
 
     def take(self, model: str, version: int, now: float, alive) -> list[AcquireLease]:
@@ -98,7 +97,6 @@ class Subscriptions:
             subs = self.pending[k]
             for wid in [w for w, s in subs.items() if s.req.version <= version]:
                 s = subs.pop(wid)
-                self.count -= 1
                 if now <= s.until and alive(wid):
                     out.append(s.req)
             if not subs:
@@ -111,19 +109,16 @@ class Subscriptions:
             subs = self.pending[k]
             for wid in [w for w, s in subs.items() if now > s.until]:
                 del subs[wid]
-                self.count -= 1
             if not subs:
                 del self.pending[k]
 
     def drop_worker(self, worker_id: str) -> None:
         for k in list(self.pending):
-            if self.pending[k].pop(worker_id, None) is not None:
-                self.count -= 1
-                if not self.pending[k]:
-                    del self.pending[k]
+            if self.pending[k].pop(worker_id, None) is not None and not self.pending[k]:
+                del self.pending[k]
 
     def held(self) -> int:
-        return self.count
+        return sum(len(subs) for subs in self.pending.values())
 
 
 def subscribe(st: Any, now: float, req: AcquireLease, wait: float) -> Optional[LeaseGrant]:

@@ -7,8 +7,8 @@ out by the manifest of the version the reader holds (``after``), registered with
 transport and offered as a partial replica with the lease, which the coordinator holds
 until the version is published; then the reader is in the version's plan from its first
 moment and reads at once (``_fetch.Fetch`` with ``Ahead``). Calls per version: the held
-lease (polled again every ``AHEAD_POLL`` seconds, keeping its place), the version's manifest
-(its checksums), and the release that registers the complete copy.
+lease (polled again every ``AHEAD_POLL`` seconds, keeping its place; its grant carries the
+version's checksums, so no manifest is read) and the release that registers the complete copy.
 
 Read the usual way instead (``wait_for_version`` + ``fetch``) when the coordinator does not
 answer leases asked ahead, the reader does not pipeline, the held version's manifest is

@@ -367,6 +367,25 @@ def fetch(st: WorkerState, version: int, layout: str = "hf", *, shard: int = 0,
     return got
 
 
+def ask_ahead_after(got: Any) -> bool:
+    """May a follower ask the next version's lease ahead after this usual read? Yes when it
+    had a base and found no delta from it (the publisher publishes none): asked ahead, a
+    version is read in full."""
+    skipped = getattr(got, "delta_skipped", None) or ""
+    return getattr(got, "delta", None) is None and skipped.startswith("no direct delta")
+
+
+def deltas_published(hub: Any, model: str, version: int) -> bool:
+    """Does ``version`` have delta layouts (the publisher started publishing them)? Asked
+    after a read asked ahead, off the critical path: the next version is then read through
+    them. An unreachable coordinator counts as no."""
+    try:
+        info = hub.version_info(model, version)
+    except Exception:  # (best effort: asked again after the next version)
+        return False
+    return info is not None and any(l.startswith("delta:") for l in info.layouts)
+
+
 def fetch_next(st: WorkerState, after: int, *, into: Optional[Mapping[str, Any]] = None,
                wait: float = 30.0) -> Any:
     """The version after ``after``, its lease asked ahead (``Hub.fetch_next``: this rank is

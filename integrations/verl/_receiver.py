@@ -29,6 +29,8 @@ from typing import Any, AsyncIterator, Optional
 from tensorhub import FetchError, NotFoundError, TensorHubError
 from tensorhub._slices import SLICED
 
+from integrations._core.worker import ask_ahead_after, deltas_published
+
 __all__ = ["Receiver", "plan_buckets", "StreamStats"]
 
 logger = logging.getLogger(__name__)
@@ -330,11 +332,7 @@ class Receiver:
                     got.nbytes / 1e6, time.monotonic() - t0, dict(got.sources))
         if old is not None:
             self._retire(old, old_tensors)
-        try:  # the publisher started publishing deltas? then read through them again
-            info = self.hub.version_info(self.model, got.version)
-            self._ahead = not any(l.startswith("delta:") for l in (info.layouts if info is not None else {}))
-        except TensorHubError:
-            pass
+        self._ahead = not deltas_published(self.hub, self.model, got.version)  # (then through them again)
         return True
 
     def _prefetch_one(self, version: Optional[int]) -> None:
@@ -375,8 +373,7 @@ class Receiver:
                 c.cond.notify_all()
             logger.info("tensorhub: prefetched %s v%d: %.1f MB in %.2fs from %s", self.model, version,
                         got.nbytes / 1e6, time.monotonic() - t0, dict(got.sources))
-            skipped = getattr(got, "delta_skipped", None) or ""  # no delta from the one before: ask ahead
-            self._ahead = getattr(got, "delta", None) is None and skipped.startswith("no direct delta")
+            self._ahead = ask_ahead_after(got)  # no delta from the one before: ask the next one ahead
             if old is not None:
                 self._retire(old, old_tensors)
         except BaseException as e:

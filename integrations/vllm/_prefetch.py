@@ -97,8 +97,7 @@ class Prefetcher:
             except Exception as e:
                 logger.warning("tensorhub: prefetching %s v%d failed (%s); the swap will fetch it", s.model, v, e)
             if got is not None:  # no delta from the version before: ask the next one ahead
-                skipped = getattr(got, "delta_skipped", None) or ""
-                self._ahead = getattr(got, "delta", None) is None and skipped.startswith("no direct delta")
+                self._ahead = worker.ask_ahead_after(got)
             self._landed(v, got, t0)
             if got is None:
                 self._stop.wait(1.0)
@@ -141,11 +140,7 @@ class Prefetcher:
                 st.spare = spare
             return self._ahead
         self._landed(got.version, got, t0)
-        try:  # has the publisher started publishing deltas? then read through them again
-            info = st.hub.version_info(s.model, got.version)
-            self._ahead = not any(l.startswith("delta:") for l in (info.layouts if info is not None else {}))
-        except Exception:
-            pass
+        self._ahead = not worker.deltas_published(st.hub, s.model, got.version)  # (then through them again)
         return True
 
     def _retire(self, v: int, got: Any, reason: str) -> None:
