@@ -153,6 +153,11 @@ def layout(members: int, stripes: int, hosts: Optional[Sequence[Optional[str]]] 
                 if hosts[m] is not None:
                     local.setdefault(hosts[m], []).append(m)
         near = {m: 0 for m in inner}
+        # the interior members by (children, -index): the fewest children, ties the later
+        # (a heap: a scan per leaf made the layout quadratic in the members, ~0.15 s of the
+        # publish's call at 1,024 subscribers)
+        least = [(k, -m) for m, k in kids.items()]
+        heapq.heapify(least)
         for m in range(members):
             if m in kids:
                 continue
@@ -161,8 +166,10 @@ def layout(members: int, stripes: int, hosts: Optional[Sequence[Optional[str]]] 
                 p = min(reversed(mates), key=lambda x: near[x])
                 near[p] += 1
             else:
-                p = min(reversed(inner), key=lambda x: kids[x])  # fewest children; ties: the later
+                _, neg = heapq.heappop(least)
+                p = -neg
                 kids[p] += 1
+                heapq.heappush(least, (kids[p], neg))
             out[m][s] = p
     return out
 

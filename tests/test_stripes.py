@@ -46,6 +46,58 @@ def test_layout_reaches_everyone_from_the_root_once_per_stripe(n):
     assert depth <= max(2, math.ceil(math.log(max(n, 1), d))) + 2, depth
 
 
+def _layout_by_scan(members, stripes, hosts=None):
+    """``layout``'s leaves placed as it places them, by the rule's plain scan (the fewest
+    network children, ties the later; a host-mate first): the reference its heap must equal."""
+    from tensorhub._stripes import _interior, _same_host
+
+    d = max(1, stripes)
+    out = [[-1] * d for _ in range(members)]
+    for s in range(d):
+        inner = list(range(s, members, d)) or ([s % members] if members else [])
+        if not inner:
+            continue
+        kids = {m: 0 for m in inner}
+        for m, p in _interior(inner, hosts, d).items():
+            out[m][s] = p
+            if p >= 0 and not (hosts is not None and _same_host(hosts, p, m)):
+                kids[p] += 1
+        local = {}
+        for m in inner:
+            if hosts is not None and hosts[m] is not None:
+                local.setdefault(hosts[m], []).append(m)
+        near = {m: 0 for m in inner}
+        for m in range(members):
+            if m in kids:
+                continue
+            mates = local.get(hosts[m]) if hosts is not None and hosts[m] is not None else None
+            if mates:
+                p = min(reversed(mates), key=lambda x: near[x])
+                near[p] += 1
+            else:
+                p = min(reversed(inner), key=lambda x: kids[x])
+                kids[p] += 1
+            out[m][s] = p
+    return out
+
+
+def test_layout_places_leaves_as_the_plain_scan():
+    """The leaves' parents come from a heap (a scan per leaf made the layout quadratic: 4.6 s
+    of the publish's call at 10,000 subscribers, 0.05 s now); the layout is the scan's,
+    exactly, and at 10,000 members still balanced."""
+    import random
+
+    rnd = random.Random(7)
+    for n in [*range(0, 40), 63, 64, 65, 255, 257, 600]:
+        for d in (1, 2, 3, 4, 5):
+            for hosts in (None, [None] * n, [f"h{i // 8}" for i in range(n)],
+                          [rnd.choice(["a", "b", None, "c"]) for _ in range(n)]):
+                assert layout(n, d, hosts) == _layout_by_scan(n, d, hosts), (n, d, hosts)
+    lay = layout(10_000, STRIPES, [None] * 10_000)
+    kids = collections.Counter((p, s) for row in lay for s, p in enumerate(row) if p >= 0)
+    assert max(kids.values()) <= STRIPES + 1
+
+
 def test_interior_parents_arrived_earlier():
     lay = layout(300, STRIPES)
     for m, row in enumerate(lay):
