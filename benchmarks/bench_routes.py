@@ -230,7 +230,8 @@ def _ahead_round(readers: int, man: dict, chunks: int) -> dict:
     from tensorhub._grid import grid_chunk_bytes
     from tensorhub._manifest_cache import LeaseAnswers
     from tensorhub._state import CoordinatorState, StateConfig
-    from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica, ServeOffer, shape_digest
+    from tensorhub._ahead import warm
+    from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica, ServeOffer, manifest_json, shape_digest
 
     st = CoordinatorState(StateConfig(lease_ttl=600.0, worker_ttl=600.0), now=0.0)
     manifest = Manifest.model_validate(man)
@@ -264,9 +265,15 @@ def _ahead_round(readers: int, man: dict, chunks: int) -> dict:
         assert st.subscribe(1.0, r, 30.0) is None  # held
     subscribe = time.process_time() - c0
     v2 = st.allocate_version(2.0, "policy")
+    manifest2 = Manifest.model_validate(man)  # (v2's manifest, as parsed from its registration: a new object)
+    c0 = time.process_time()
+    manifest_json(manifest2)  # what the registration's parse thread makes, off the event loop
+    if st.ahead.waits_on("policy"):  # (``coordinator._parse_registration``)
+        warm(manifest2)
+    thread = time.process_time() - c0
     c0 = time.process_time()
     st.register_replica(2.0, RegisterReplica(worker_id="trainer", model="policy", version=v2, layout="hf", shard=0,
-                                             num_shards=1, manifest=manifest, address_runs=runs(1 << 40)))
+                                             num_shards=1, manifest=manifest2, address_runs=runs(1 << 40)))
     completed = st.catalog.take_completed()
     publish = time.process_time() - c0
     answers = LeaseAnswers()
@@ -277,7 +284,8 @@ def _ahead_round(readers: int, man: dict, chunks: int) -> dict:
     body = [answers.encode(g.model_copy(update={"granted_after": 1.0}))
             for g in grants]  # (as Subscribers.stream: each grant made, then encoded)
     bind = time.process_time() - c0
-    return {"subscribe": subscribe, "publish": publish, "bind": bind, "bind_call": bind_call, "bound": len(bound),
+    return {"subscribe": subscribe, "thread": thread, "publish": publish, "bind": bind, "bind_call": bind_call,
+            "bound": len(bound),
             "fixed": sum(1 for g in grants if getattr(g, "refresh_after", 1.0) == 0.0 and g.stripes),
             "answer_bytes": sum(map(len, body)) / max(1, len(body))}
 

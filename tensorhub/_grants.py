@@ -22,7 +22,9 @@ import secrets
 from typing import Callable, Iterator, Optional
 
 from . import _addresses
+from ._checksum import count
 from ._exceptions import ConflictError, InvalidRequestError, NotFoundError
+from ._kept import KeptBy
 from ._planner import (
     COST_DC, LEVELS, Candidate, Choice, choose_sources, chunk_order, claims, grid_chunk_bytes, group_key, locality_cost,
     reserve_chunks, start_fraction, start_reverse,
@@ -32,12 +34,29 @@ from ._slices import SLICED
 from ._stripes import HOSTS_IN_PLANS, MIN_CHUNKS, NONE, STRIPES, WAN, Plan, plan_root, relayed, wan_root, wan_stripes
 from ._wire import AcquireLease, LeaseGrant, Manifest, RegisterReplica, ReplicaInfo
 
-__all__ = ["Grants", "KEPT"]
+__all__ = ["Grants", "KEPT", "grid_of"]
 
 #: Per-shard memos kept (chunk grids, arrival counters): the newest this many shards.
 KEPT = 256
 #: The empty chunk set (shared: most partial replicas report none, chunk maps never do).
 _NONE: frozenset = frozenset()
+
+
+#: Each manifest's chunk grid, by identity (:func:`grid_of`).
+_GRIDS = KeptBy(KEPT)
+
+
+def grid_of(man: Manifest) -> tuple[int, int]:
+    """(chunk bytes, chunks) of a shard's grid (``grid_chunk_bytes`` of its size;
+    ``_checksum.count``: pieces per chunk are capped too, so not simply size / chunk bytes):
+    sums over every tensor (~20 ms for 50,000), made once per manifest and kept by identity,
+    so the registration's parse thread can make them before the state call
+    (``_ahead.warm``)."""
+    def make() -> tuple[int, int]:
+        sizes = [t.nbytes for t in man.tensors]
+        return grid_chunk_bytes(sum(sizes)), count(sizes)
+
+    return _GRIDS.get(man, make)
 
 
 class Grants:
@@ -340,13 +359,8 @@ class Grants:
 
     def _chunk_bytes(self, key: ShardKey, man: Manifest) -> int:
         """The shard's chunk grid (``grid_chunk_bytes`` of its size: a sum over every tensor,
-        so remembered per manifest rather than summed again for every lease)."""
-        hit = self._grids.get(key)
-        if hit is None or hit[0] is not man:
-            hit = self._grids[key] = [man, grid_chunk_bytes(man.nbytes), None]  # [2]: chunks, when asked
-            while len(self._grids) > KEPT:
-                self._grids.pop(next(iter(self._grids)))
-        return hit[1]
+        so kept per manifest, :func:`grid_of`, rather than summed again for every lease)."""
+        return grid_of(man)[0]
 
     def _serve_offer(self, now: float, req: AcquireLease, num_shards: int) -> tuple[Optional[str], str]:
         """Register the partial replica a new pipelined lease offers (``req.serve``):

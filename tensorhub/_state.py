@@ -67,10 +67,9 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from . import _addresses, _ahead
-from ._checksum import count
 from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
 from ._exceptions import ConflictError, ManifestMismatchError, NotFoundError, RetentionError
-from ._grants import KEPT, Grants
+from ._grants import KEPT, Grants, grid_of
 from ._planner import locality_cost
 from ._registry import Lease, Registry, Replica, ShardKey, Worker
 from ._stripes import Plan
@@ -168,7 +167,6 @@ class CoordinatorState(Grants):
         self._digests: dict[tuple, str] = {}
         #: (model, version, layout, shard) -> [its manifest, chunk bytes of its grid, chunks of
         #: its grid (None until a partial replica's registration asks)].
-        self._grids: dict[tuple, list] = {}
         #: shard key -> leases granted on it so far (``Grants._arrival``).
         self._arrivals: dict[ShardKey, int] = {}
         #: Striped plans (``_stripes``): (shard key, datacenter or ``WAN``, root) -> plan, and
@@ -483,13 +481,8 @@ class CoordinatorState(Grants):
                 f"!= the shard's {grid} bytes x {chunks}", "bad_chunk_grid")
 
     def _grid_chunks(self, key: ShardKey, known: Manifest) -> int:
-        """How many chunks the shard's grid has (``_checksum.count``: pieces per chunk are
-        capped too, so not simply size / chunk bytes), kept beside its chunk bytes."""
-        self._chunk_bytes(key, known)
-        hit = self._grids[key]
-        if hit[2] is None:
-            hit[2] = count([t.nbytes for t in known.tensors])
-        return hit[2]
+        """How many chunks the shard's grid has (``_grants.grid_of``)."""
+        return grid_of(known)[1]
 
     def add_chunks(self, now: float, replica_id: str, worker_id: str, chunks: Iterable[int],
                    lease_ids: Iterable[str] = (), coming: Optional[Iterable[int]] = None) -> int:

@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response
 from ._exceptions import (
     ConfigError, ConflictError, CoordinatorError, InvalidRequestError, NotFoundError, UnauthorizedError,
 )
+from ._ahead import warm
 from ._coordinator import NOT_LEADER, Coordinator, before_disk_wait, ha_coordinator
 from ._fleet import add_routes as add_fleet_routes
 from ._state import StateConfig
@@ -308,7 +309,7 @@ class _FastHeartbeat:
 
 
 async def _register(coord: Coordinator, req: RegisterReplica) -> dict:
-    """``POST /v1/replicas`` (the route, and ``_LargeRegistration``)."""
+    """``POST /v1/replicas`` (the route, and ``_Registration``)."""
     if req.release:  # a reader's last call of a read: release its leases, then register
         rid, complete, released = await coord.acall(lambda now: coord.state.release_and_register(now, req))
     else:
@@ -319,22 +320,33 @@ async def _register(coord: Coordinator, req: RegisterReplica) -> dict:
     return {"replica_id": rid, "complete": complete} | ({"released": released} if released is not None else {})
 
 
-def _parse_registration(body: bytes) -> RegisterReplica:
+def _parse_registration(body: bytes, subscribed: Callable[[str], bool] = lambda model: False) -> RegisterReplica:
     """A large registration parsed and validated, and its manifest's canonical JSON made
-    (kept for its digest and the store's commit), off the event loop."""
+    (kept for its digest and the store's commit), off the event loop; for a model with
+    readers subscribed ahead (``subscribed(model)``), what binding them computes once per
+    manifest too (``_ahead.warm``)."""
     req = RegisterReplica.model_validate_json(body)
     if req.manifest is not None:
         manifest_json(req.manifest)
+        if subscribed(req.model):
+            warm(req.manifest)
     return req
 
 
-class _LargeRegistration:
-    """``POST /v1/replicas`` with a body over ``_LARGE_BODY`` (a publisher's replica: a
-    50,000-tensor manifest is 6-7 MB) is parsed and validated on a worker thread, not on
-    the event loop: on the loop that took ~0.3-0.4 s at each publish, and every heartbeat
-    and lease waited for it; on a thread the loop runs between the validators' steps. The
-    answer is the route's; a body that does not validate goes to the route (its 422 as
-    always). Sits inside ``_Guard`` (token, size, the gate: one slot) and ``_LeaderGate``."""
+class _Registration:
+    """``POST /v1/replicas`` without FastAPI's routing and validation.
+
+    A body over ``_LARGE_BODY`` (a publisher's replica: a 50,000-tensor manifest is 6-7 MB)
+    is parsed and validated on a worker thread, not on the event loop: on the loop that
+    took ~0.3-0.4 s at each publish, and every heartbeat and lease waited for it; on a
+    thread the loop runs between the validators' steps. A smaller one (every reader's last
+    call of a read: release + register, by digest; a partial replica) is parsed here, on
+    the loop, which costs a fraction of the route's dependency machinery: at 1,024 readers
+    ending a version together these calls queue at the coordinator one after the other
+    (``benchmarks/bench_routes.py``, "complete + release"). The answer is the route's; a
+    body that does not validate goes to the route (its 422 as always), as does one without
+    a content-length. Sits inside ``_Guard`` (token, size, the gate: one slot for large
+    bodies) and ``_LeaderGate``."""
 
     def __init__(self, app: Any, coord: Coordinator) -> None:
         self.app, self.coord = app, coord
@@ -343,13 +355,16 @@ class _LargeRegistration:
         if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/replicas"):
             return await self.app(scope, receive, send)
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is None or not length.isdigit() or int(length) <= _LARGE_BODY:
+        if length is None or not length.isdigit():
             return await self.app(scope, receive, send)
         body = await _read_body(receive)
         if body is None:
             return
         try:
-            req = await asyncio.to_thread(_parse_registration, body)
+            req = await asyncio.to_thread(_parse_registration, body,
+                                          lambda model: self.coord.state.ahead.waits_on(model)) \
+                if int(length) > _LARGE_BODY else \
+                RegisterReplica.model_validate_json(body)
         except ValueError:  # the route answers it (422 as always)
             return await self.app(scope, _replay(body, receive), send)
         try:
@@ -480,7 +495,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
     expected = f"Bearer {token}".encode() if token else None
 
     app.add_middleware(_FastHeartbeat, coord=coord)
-    app.add_middleware(_LargeRegistration, coord=coord)
+    app.add_middleware(_Registration, coord=coord)
     if coord.election is not None:
         app.add_middleware(_LeaderGate, coord=coord)
     app.add_middleware(_Guard, expected=expected, count=coord.metrics.request,  # added last: outermost

@@ -277,7 +277,7 @@ def _big_registration(n: int, worker: str = "trainer", version: int = 1, dtype: 
 
 
 def test_a_large_registration_is_parsed_off_the_loop_and_answered_as_the_route_would(tmp_path):
-    """A publisher's registration over 1 MB (``_LargeRegistration``: parsed on a thread)
+    """A publisher's registration over 1 MB (``_Registration``: parsed on a thread)
     registers the same manifest, bytes for bytes, as a small one through the route; a
     large body that does not validate gets the route's 422; a wrong token is refused first;
     a registration for a version never allocated is the route's 404/409."""
@@ -332,3 +332,56 @@ def test_a_large_registration_is_parsed_off_the_loop_and_answered_as_the_route_w
                          headers=ok).json()["tensors"] == body["manifest"]["tensors"]
     finally:
         proc.stop()
+
+
+def test_small_registrations_skip_the_route_and_answer_as_it_would(tmp_path):
+    """``_Registration`` parses small bodies on the loop too (every reader's release +
+    register): a bad dtype, a cut body and an unknown field get the route's 422; a body sent
+    chunked (no content-length) is refused first, as always; release + register answers which leases
+    stayed valid and registers nothing when one did not."""
+    import json
+
+    from tensorhub.coordinator import EmbeddedCoordinator
+
+    with EmbeddedCoordinator(tmp_path / "state", config=CFG) as c, httpx.Client(base_url=c.url, timeout=60) as h:
+        for w in ("trainer", "reader"):
+            assert h.post("/v1/workers", json={"worker_id": w, "endpoint": "127.0.0.1:1"}).status_code == 200
+        assert h.post("/v1/models/m/versions", json={}).json() == {"version": 1}
+        body = _big_registration(8)
+        bad = _big_registration(8, dtype="float33")
+        r = h.post("/v1/replicas", json=bad)
+        assert r.status_code == 422 and r.json()["code"] == "invalid_request" and "dtype" in r.json()["detail"], r.text
+        r = h.post("/v1/replicas", content=json.dumps(body).encode()[:-3], headers={"Content-Type": "application/json"})
+        assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+        r = h.post("/v1/replicas", json=dict(body, colour="blue"))
+        assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+
+        def chunked():
+            yield json.dumps(body).encode()
+
+        r = h.post("/v1/replicas", content=chunked(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 411 and r.json()["code"] == "length_required", r.text  # (``_Guard``, first)
+        r = h.post("/v1/replicas", json=body)
+        assert r.status_code == 200 and r.json()["complete"] is True, r.text
+        lease = h.post("/v1/leases", json={"worker_id": "reader", "model": "m", "version": 1}).json()
+        read = dict(_big_registration(8, worker="reader"), release=[lease["lease_id"], "l-nope"])
+        r = h.post("/v1/replicas", json=read)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"replica_id": "", "complete": True, "released": {lease["lease_id"]: True, "l-nope": False}}
+        assert [x["worker_id"] for x in h.get("/v1/models/m/versions/1").json()["replicas"]] == ["trainer"]
+
+
+def test_a_publish_with_subscribers_warms_its_manifest_on_the_parse_thread():
+    """``_parse_registration`` makes what binding subscribers computes once per manifest
+    (shape digest, chunk grid: ``_ahead.warm``) only for a model someone subscribed to."""
+    import json
+
+    from tensorhub import _grants, _wire
+    from tensorhub.coordinator import _parse_registration
+
+    body = json.dumps(_big_registration(64)).encode()
+    cold = _parse_registration(body, lambda model: False)
+    hot = _parse_registration(body, lambda model: model == "m")
+    for kept in (_wire._shapes_kept, _grants._GRIDS):
+        held = [v[0] for v in kept._kept.values()]
+        assert any(x is hot.manifest for x in held) and not any(x is cold.manifest for x in held)
