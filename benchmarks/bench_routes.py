@@ -88,7 +88,7 @@ async def _drive(url: str, pid: int, readers: int, tensors: int, chunks: int, be
                  runs: bool = False) -> list[tuple[str, dict]]:
     from tensorhub._addresses import encode
     from tensorhub._grid import grid_chunk_bytes
-    from tensorhub._wire import Manifest, manifest_digest
+    from tensorhub._wire import Manifest, manifest_digest, shape_digest
 
     pool = _Pool(url, 8, headers={"Accept-Encoding": "gzip, deflate"})
     enc = lambda d: json.dumps(d).encode()  # noqa: E731
@@ -158,6 +158,19 @@ async def _drive(url: str, pid: int, readers: int, tensors: int, chunks: int, be
         "worker_id": rids[i], "model": "policy", "version": v, "layout": "hf", "shard": 0, "num_shards": 1,
         "manifest_digest": digest, **where((1 << 44) + (i << 32)),
         "release": [grants[i].get("lease_id", "none")]})), pool)))
+    # The next versions of the same tensors, each published as the one before's tensors with
+    # its own sums (``RegisterReplica.like``, what a Hub does for a model trained in place),
+    # one after the other: beside "publish: register the replica" above.
+    shape = shape_digest(manifest)
+    likes = []
+    for _ in range(LIKES):
+        st, data = await pool.request("POST", "/v1/models/policy/versions", b"{}")
+        likes.append(json.loads(data)["version"])
+    out.append((f"publish: register v+1 like v (the same {tensors:,} tensors)", await _measure(
+        pid, LIKES, lambda i: ("POST", "/v1/replicas", enc({
+            "worker_id": trainer, "model": "policy", "version": likes[i], "layout": "hf", "shard": 0,
+            "num_shards": 1, "like": {"version": likes[i - 1] if i else v, "shape_digest": shape},
+            **where(1 << 40)})), pool, inflight=1)))
     await pool.close()
     for _, r in out:
         r.pop("answers", None)
@@ -181,6 +194,9 @@ def run_routes(*, readers: int = 1024, tensors: int = 50_000, chunks: int = 256,
             "routes": [{"route": k, **{f: (round(x, 3) if isinstance(x, float) else x) for f, x in r.items()}}
                        for k, r in rows]}
 
+
+#: Versions published by ``like`` after the first (``_drive``).
+LIKES = 8
 
 #: The routes one reader calls per version (the serving lease: the mean of its two halves).
 PER_READER = ("resolve", "GET manifest: the others", "lease, serving", "lease refresh", "complete + release")

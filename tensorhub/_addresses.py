@@ -31,7 +31,7 @@ from ._exceptions import InvalidRequestError
 from ._kept import KeptBy
 from ._wire import AddressRuns, LeaseGrant, Manifest
 
-__all__ = ["ALIGNS", "encode", "expand", "check", "checked", "invalid", "stored", "answer", "expand_grant"]
+__all__ = ["ALIGNS", "encode", "expand", "check", "checked", "invalid", "stored", "answer", "expand_grant", "same_tensors"]
 
 #: Alignments :func:`encode` tries: the Hub's own (``_tensors.ALIGN``) and the CUDA caching
 #: allocator's block size (engines' parameters are often allocated back to back).
@@ -50,10 +50,21 @@ _expanded = KeptBy(16)
 Addresses = Union[list, AddressRuns]
 
 
+#: manifest -> the manifest with the same tensors whose prefixes it uses (:func:`same_tensors`).
+_same = KeptBy(16)
+
+
+def same_tensors(manifest: Manifest, earlier: Manifest) -> None:
+    """``manifest`` has ``earlier``'s tensors (``ManifestLike``): use its prefixes."""
+    root = _same.get(earlier, lambda: earlier)
+    _same.get(manifest, lambda: root)
+
+
 def _prefix(manifest: Manifest, align: int) -> tuple[np.ndarray, np.ndarray]:
     """Each tensor's offset inside a run (relative to the run's first tensor's, by
     subtraction) and each tensor's size; kept for the last few manifests (by identity)."""
-    return _prefixes.get(manifest, lambda: _offsets(manifest, align), align)
+    base = _same.get(manifest, lambda: manifest)
+    return _prefixes.get(base, lambda: _offsets(base, align), align)
 
 
 def _offsets(manifest: Manifest, align: int) -> tuple[np.ndarray, np.ndarray]:

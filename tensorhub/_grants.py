@@ -34,7 +34,7 @@ from ._slices import SLICED
 from ._stripes import HOSTS_IN_PLANS, MIN_CHUNKS, NONE, STRIPES, WAN, Plan, plan_root, relayed, wan_root, wan_stripes
 from ._wire import AcquireLease, LeaseGrant, Manifest, RegisterReplica, ReplicaInfo
 
-__all__ = ["Grants", "KEPT", "grid_of"]
+__all__ = ["Grants", "KEPT", "grid_of", "keep_grid"]
 
 #: Per-shard memos kept (chunk grids, arrival counters): the newest this many shards.
 KEPT = 256
@@ -57,6 +57,11 @@ def grid_of(man: Manifest) -> tuple[int, int]:
         return grid_chunk_bytes(sum(sizes)), count(sizes)
 
     return _GRIDS.get(man, make)
+
+
+def keep_grid(man: Manifest, grid: tuple[int, int]) -> None:
+    """Keep ``grid`` as ``man``'s (a manifest made from another with the same tensors)."""
+    _GRIDS.get(man, lambda: grid)
 
 
 class Grants:

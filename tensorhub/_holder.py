@@ -26,12 +26,13 @@ __all__ = ["publish", "unpublish"]
 logger = logging.getLogger(__name__)
 
 
-def serve(session: Session, holdings: Holdings, h: Held, transport: Any) -> None:
+def serve(session: Session, holdings: Holdings, h: Held, transport: Any, *, publish: bool = False) -> None:
     """Register ``h``'s memory with the transport and ``h`` with the coordinator, then
-    hold it (its memory is unregistered again if the coordinator refuses it)."""
+    hold it (its memory is unregistered again if the coordinator refuses it). ``publish``:
+    a new version this worker publishes (``Session.register_replica``)."""
     register_regions(transport, h.regions)
     try:
-        h.replica_id = session.register_replica(h)
+        h.replica_id = session.register_replica(h, publish=publish)
     except BaseException:
         unregister_regions(transport, h.regions)
         raise
@@ -52,7 +53,7 @@ def publish(session: Session, holdings: Holdings, checksum: str, model: str, ten
     transport = session.transport()
     regions = coalesce([(a, s.nbytes) for a, s in zip(addrs, manifest.tensors)])
     h = Held(model, key_version, layout, shard, num_shards, manifest, addrs, regions, dict(tensors))
-    serve(session, holdings, h, transport)
+    serve(session, holdings, h, transport, publish=True)
     logger.info("published %s v%d layout %s shard %d/%d as replica %s of worker %s: %d tensors, %.1f MB",
                 model, key_version, layout, shard, num_shards, h.replica_id, session.worker_id, len(addrs),
                 manifest.nbytes / 1e6)

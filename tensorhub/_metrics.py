@@ -82,6 +82,10 @@ class CoordinatorMetrics:
                                        "Replicas readers reported failing (dead, hung, refused).", ["model"],
                                        registry=r)
         self.leases_granted = Counter("tensorhub_leases_granted", "Read leases granted.", ["model"], registry=r)
+        self.registrations = Counter("tensorhub_replica_registrations", "Complete replicas registered, by how "
+                                     "their manifest came: manifest (sent whole), like (an earlier version's "
+                                     "tensors, this one's sums: RegisterReplica.like), digest (known already).",
+                                     ["model", "manifest"], registry=r)
         self.requests = Counter("tensorhub_requests", "HTTP requests answered, by route (method and path "
                                 "template; at most 64 routes, the rest counted as 'other').", ["route"], registry=r)
         self._routes: dict[str, Any] = {}

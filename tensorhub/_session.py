@@ -23,11 +23,11 @@ from urllib.parse import urlparse
 
 from . import _addresses, _samehost as samehost, envs
 from ._client import CoordinatorClient
-from ._exceptions import FetchError, HubClosedError, NotFoundError, TensorHubError
+from ._exceptions import ConflictError, FetchError, HubClosedError, NotFoundError, TensorHubError
 from ._holdings import Held, Holdings, unregister_regions
 from ._kept import KeptBy
 from ._metrics import FetchProgress, Outbox, hub_metrics
-from ._wire import HeartbeatAnswer, LeaseGrant, Manifest, ReplicaRegistered, manifest_digest
+from ._wire import HeartbeatAnswer, LeaseGrant, Manifest, ManifestLike, ReplicaRegistered, manifest_digest, shape_digest
 from .transport import Transport, create_transport
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,6 +84,12 @@ class Session:
         self.lease_secrets = False
         #: The coordinator answers leases asked ahead (``_ahead``).
         self.ahead = False
+        #: The coordinator reads a manifest as an earlier version's (``RegisterReplica.like``).
+        self.register_like = False
+        #: (model, layout, shard) -> (version, shape digest) of this worker's newest publish
+        #: of it with a full manifest in the coordinator's catalog: the next publish with the
+        #: same tensors names it instead of sending its manifest (``ManifestLike``).
+        self._published: dict[tuple[str, str, int], tuple[int, str]] = {}
         self.closed = False
         self._stop = threading.Event()
         self._hb: Optional[threading.Thread] = None
@@ -169,6 +175,7 @@ class Session:
         self.address_runs = r.address_runs and envs.TENSORHUB_ADDRESS_RUNS
         self.lease_secrets = r.lease_secrets and envs.TENSORHUB_SAMEHOST
         self.ahead = r.ahead and self.address_runs  # (held requests stay small: offers as runs)
+        self.register_like = r.register_like and envs.TENSORHUB_REGISTER_LIKE
 
     def reregister(self) -> None:
         """Register the worker and every held replica again, under the holdings' lock, with
@@ -198,11 +205,42 @@ class Session:
             self.reregister()
             return call(self.api)
 
-    def register_replica(self, h: Held, **extra: Any) -> str:
-        """Announce a held replica (``extra``: e.g. ``partial=True`` and its chunk grid)."""
+    def register_replica(self, h: Held, *, publish: bool = False, **extra: Any) -> str:
+        """Announce a held replica (``extra``: e.g. ``partial=True`` and its chunk grid).
+        ``publish``: ``h`` is a new version this worker publishes; if it has the tensors of
+        the version this worker published before (model trained in place), it is sent as
+        that version's tensors with its own sums (``ManifestLike``: no manifest to send,
+        parse and validate), else, or if the coordinator no longer knows that version, with
+        its manifest."""
         self.api.allocate_version(h.model, h.version)
+        like = self._like(h) if publish and not extra else None
+        if like is not None:
+            body = dict(self.replica_body(h, like=like))
+            try:
+                return self.as_worker(lambda api: api.register_replica(body)).replica_id
+            except ConflictError as e:
+                if e.code not in ("like_unknown", "like_mismatch"):
+                    raise
+                logger.info("%s v%d: the coordinator cannot make its manifest from v%d's (%s); sending it",
+                            h.model, h.version, like.version, e.code)
+                self._published.pop((h.model, h.layout, h.shard), None)
         body = dict(self.replica_body(h), **extra)
-        return self.as_worker(lambda api: api.register_replica(body)).replica_id
+        rid = self.as_worker(lambda api: api.register_replica(body)).replica_id
+        if publish and not extra and self.register_like and h.manifest.slices is None:
+            self._published[(h.model, h.layout, h.shard)] = (h.version, shape_digest(h.manifest))
+        return rid
+
+    def _like(self, h: Held) -> Optional[ManifestLike]:
+        """``h``'s manifest as the earlier version's this worker published (None: none, or
+        other tensors)."""
+        hit = self._published.get((h.model, h.layout, h.shard))
+        if not self.register_like or hit is None or hit[0] >= h.version or h.manifest.slices is not None:
+            return None
+        if shape_digest(h.manifest) != hit[1]:
+            return None
+        m = h.manifest
+        return ManifestLike(version=hit[0], shape_digest=hit[1], checksum=m.checksum, checksums=m.checksums,
+                            meta=m.meta)
 
     def register_read(self, h: Held, *, release: Optional[list[str]] = None, **extra: Any) -> ReplicaRegistered:
         """Announce a replica this worker read (the version and its manifest are known to
@@ -218,12 +256,14 @@ class Session:
         """``manifest_digest(m)``, computed once per manifest object kept."""
         return self._digests.get(m, lambda: manifest_digest(m))
 
-    def replica_body(self, h: Held, digest: bool = False) -> dict:
+    def replica_body(self, h: Held, digest: bool = False, like: Optional[ManifestLike] = None) -> dict:
         body = {
             "worker_id": self.worker_id, "model": h.model, "version": h.version, "layout": h.layout,
             "shard": h.shard, "num_shards": h.num_shards, **self.addresses_of(h),
         }
-        if digest:
+        if like is not None:
+            body["like"] = like.model_dump(mode="json", exclude_none=True)
+        elif digest:
             body["manifest_digest"] = self.digest(h.manifest)
         else:
             body["manifest"] = h.manifest.model_dump(mode="json")

@@ -68,8 +68,8 @@ from typing import Iterable, Optional
 
 from . import _addresses, _ahead
 from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
-from ._exceptions import ConflictError, ManifestMismatchError, NotFoundError, RetentionError
-from ._grants import KEPT, Grants, grid_of
+from ._exceptions import ConflictError, InvalidRequestError, ManifestMismatchError, NotFoundError, RetentionError
+from ._grants import KEPT, Grants, grid_of, keep_grid
 from ._planner import locality_cost
 from ._registry import Lease, Registry, Replica, ShardKey, Worker
 from ._stripes import Plan
@@ -83,8 +83,10 @@ from ._wire import (
     RegisterReplica,
     SwapReport,
     is_delta_layout,
+    keep_like,
     lease_proof,
     manifest_digest,
+    shape_digest,
 )
 
 __all__ = ["StateConfig", "CoordinatorState", "Write", "ShardKey"]
@@ -394,7 +396,8 @@ class CoordinatorState(Grants):
             return rid, complete
         now = self._now(now)
         self._worker(req.worker_id)
-        req = self._by_digest(req) if req.manifest is None else _addresses.checked(req)
+        req = self._by_like(req) if req.like is not None else \
+            self._by_digest(req) if req.manifest is None else _addresses.checked(req)
         self.catalog.add_manifest(req, self._check_partial if req.partial else None)
         complete = self.catalog.version(req.model, req.version).complete  # a delta layout alone: not
         key = ShardKey(req.model, req.version, req.layout, req.shard)
@@ -442,6 +445,33 @@ class CoordinatorState(Grants):
                 f"{req.manifest_digest} != registered {digest}", "manifest_mismatch")
         _addresses.check(req.addresses, req.address_runs, known, _addresses.invalid)
         return req.model_copy(update={"manifest": known})
+
+    def _by_like(self, req: RegisterReplica) -> RegisterReplica:
+        """The request with its manifest made from an earlier version's (``ManifestLike``: a
+        publisher of a model trained in place sends that version's number and shape digest,
+        and this version's sums): the earlier version's registered manifest of the shard,
+        its tensors checked by shape digest, the sums by the count of its grid's chunks.
+        What follows from the earlier manifest (its canonical JSON's tensors, shape digest,
+        grid) is reused, not made again."""
+        like = req.like
+        assert like is not None
+        where = f"{req.model!r} v{like.version} layout {req.layout!r} shard {req.shard}"
+        try:
+            earlier = self.catalog.manifest(req.model, like.version, req.layout, req.shard)
+        except (NotFoundError, ConflictError):
+            raise ConflictError(f"{where} is not known here (any more): send the manifest", "like_unknown") from None
+        if earlier.slices is not None or shape_digest(earlier) != like.shape_digest:
+            raise ConflictError(f"the tensors of {where} are not this replica's (shape digest): send the manifest",
+                                "like_mismatch")
+        grid = grid_of(earlier)
+        if like.checksums is not None and len(like.checksums) != grid[1]:
+            raise InvalidRequestError(f"{len(like.checksums)} checksums for a shard of {grid[1]} chunks (one per "
+                                      "chunk of its grid)")
+        m = like.manifest(earlier)
+        keep_like(m, earlier, like.shape_digest)
+        keep_grid(m, grid)
+        _addresses.same_tensors(m, earlier)
+        return _addresses.checked(req.model_copy(update={"manifest": m, "like": None}))
 
     def digest_of(self, model: str, version: int, layout: str, shard: int, known: Manifest) -> str:
         """``manifest_digest`` of a shard's registered manifest ``known`` (kept per shard)."""

@@ -314,6 +314,9 @@ async def _register(coord: Coordinator, req: RegisterReplica) -> dict:
         rid, complete, released = await coord.acall(lambda now: coord.state.release_and_register(now, req))
     else:
         (rid, complete), released = await coord.acall(lambda now: coord.state.register_replica(now, req)), None
+    if rid and not req.partial:
+        coord.metrics.registrations.labels(req.model, "like" if req.like is not None else
+                                           "manifest" if req.manifest is not None else "digest").inc()
     logger.debug("replica %s: %s v%d layout %r shard %d/%d on worker %s%s", rid or "(not registered)",
                  req.model, req.version, req.layout, req.shard, req.num_shards, req.worker_id,
                  " (partial)" if req.partial else " (version complete)" if complete else "")
@@ -541,7 +544,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         coord.call(lambda now: st().register_worker(now, req.worker_id, req.endpoint, req.locality), soft=True)
         return {"epoch": coord.state.epoch, "worker_ttl": coord.config.worker_ttl,
                 "lease_ttl": coord.config.lease_ttl, "address_runs": True, "lease_secrets": True,
-                "ahead": True}
+                "ahead": True, "register_like": True}
 
     @app.post("/v1/workers/{worker_id}/heartbeat")
     async def heartbeat(worker_id: str = _id(), req: Optional[Heartbeat] = Body(default=None)) -> dict:

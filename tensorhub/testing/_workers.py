@@ -221,6 +221,7 @@ def worker_main(conn: Any, url: str, name: str, token: Optional[str], gate: Any,
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every stack
     options = dict(options)
+    os.environ.update(options.pop("env", {}))  # (before tensorhub reads its settings)
     netns = options.pop("netns", None)
     data_host = options.pop("data_host", "127.0.0.1")
     if netns:
