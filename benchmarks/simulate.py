@@ -21,6 +21,11 @@ seeding; ``pick_chunk`` for which chunk to read from which source; ``chunk_order
   every grant, then every answer, the code before); each reader reads at once (its grant carries the version's checksums: no manifest GET). ``--no-ahead``: leases asked
   after the publish (resolve, manifest, lease, queued), as below; ``--compare`` (default)
   prints both. ``elastic``'s newcomers hold no earlier version: never ahead;
+* **the publisher's registration comes first** (``--publish``): the call that completes the
+  version is served before anything else at t=0 (:data:`COORD_MS` ``publish_like``, what a
+  Hub sends for a model trained in place: the version before's tensors and this one's sums,
+  ``RegisterReplica.like``; ``manifest``: the whole manifest, a first version; ``none``: free,
+  the model before 2026-12-07); the bind's fixed part (``bind_fixed``) follows;
 * **the coordinator is one queue.** Every call (resolve, the manifest GET, the serving
   lease, refreshes, release+register, every worker's heartbeat) costs its service time
   measured by ``benchmarks/bench_routes.py`` (:data:`COORD_MS`; ``--coord-costs``,
@@ -419,7 +424,13 @@ COORD_MS = {
     # layouts fixed) 0.108 ms per subscriber, then each grant made + encoded 0.105 ms
     # (0.213 in all, median of 5 rounds 0.203-0.338), streamed once the version is durable
     # (``_coordinator.Subscribers.stream``: each answered before the next is made).
-    "bind": 0.108,  # per subscriber, in the call that completes the version (all before any answer)
+    # 2026-12-07: that 0.108 ms was ~40 ms per publish (the new manifest's shape digest and
+    # chunk grid, a layout quadratic in the members) spread over 1,024 subscribers; with those
+    # made on the registration's parse thread (``_ahead.warm``) and the layout from a heap, the
+    # bind is a fixed 4.5 ms + 0.055 ms per subscriber (bench_routes --only ahead at 16, 64,
+    # 256 and 1,024 subscribers: 5.3, 8.6, 18.4, 56.9 ms).
+    "bind": 0.055,  # per subscriber, in the call that completes the version (all before any answer)
+    "bind_fixed": 4.5,  # once per publish with subscribers, in that call
     "grant": 0.105,  # per subscriber: its grant made from the fixed plan and encoded
     # Earlier (before the grants were streamed), measured by
     # ``python benchmarks/bench_routes.py --only ahead --reps 5`` (1,024 subscribers on hosts of
@@ -435,6 +446,13 @@ COORD_MS = {
     # --repeat 2`` (1,024 subscribers; docs/operations/benchmarks.md, "A lease burst"): 146 us
     # on a quiet machine (an earlier run under load: 107 us); issue 31's target ~0.02 ms.
     "wake": 0.146,
+    # The publisher's registration of the new version, the call that completes it (before
+    # anyone may read it), 50,000 tensors, ``python benchmarks/bench_routes.py`` ("publish"
+    # rows): with its whole manifest (parsed and validated on a thread, then the state call)
+    # and as the version before's tensors with its own sums (``RegisterReplica.like``: what a
+    # Hub sends for a model trained in place, every version after its first). ``--publish``.
+    "publish_manifest": 220.0,
+    "publish_like": 25.0,
     "lease_plain": 0.355,  # a lease without ``serve`` (nothing registered): as a refresh
     "release_plain": 0.355,  # a release without a registration: as a refresh
     "renew": 0.052,  # a lease renewal: as a heartbeat
@@ -589,8 +607,11 @@ class MapSim(Sim):
                  tick: float = 0.25e-3, fixed_calls: int = FIXED_CALLS, plans: bool = True,
                  coord: Optional[Coordinator] = None, checksum_bps: float = 0.0, queue_s: float = 0.0,
                  loop_s: Optional[float] = None, heartbeats: bool = True, ahead: bool = False,
-                 deliver: str = "stream", **kw) -> None:
+                 deliver: str = "stream", publish: Optional[str] = None, **kw) -> None:
         super().__init__(cl, nbytes, num_chunks, **kw)
+        #: The publisher's registration (a :data:`COORD_MS` call) that completes the version
+        #: at t=0, before anything else the coordinator serves; None: not charged.
+        self.publish = publish
         self.rtt, self.tick, self.fixed_calls = rtt, tick, fixed_calls
         #: Subscribed ahead (:meth:`_bind`): every reader's lease is held before the publish and
         #: bound by the call that completes the version; ``deliver``: ``stream`` (the code: then
@@ -729,6 +750,8 @@ class MapSim(Sim):
                        else "heartbeat", who)
                 continue
             self.now, self._cands = end, None
+            if who == -1:  # the publisher's registration, the bind's fixed part: only the coordinator's time
+                continue
             if kind == "bind":  # subscribed ahead: one per subscriber, back to back (the publisher's call)
                 self._binds_left -= 1
                 if self._binds_left == 0:
@@ -1126,7 +1149,10 @@ class MapSim(Sim):
         co = self.coord
         first = "resolve" if self.fixed_calls >= 2 else "manifest"
         rs = list(self.mreaders.values())
+        if self.publish is not None:  # the version completes when the publisher's registration is answered
+            co.ask(0.0, self.publish, -1)
         if self.ahead:  # every lease held since before the publish: bound in the publish's call
+            co.ask(0.0, "bind_fixed", -1)
             self.bind_order = [r.wid for r in rs]  # (stream: the order is known before the grants)
             self._binds_left = len(rs)
             for k, r in enumerate(rs):
@@ -1276,7 +1302,8 @@ def make_sim(args: argparse.Namespace, cl: Cluster, nbytes: float, chunks: int, 
     return MapSim(cl, nbytes, chunks, rtt=args.rtt_us * 1e-6, tick=args.tick_ms / 1e3, fixed_calls=fixed_calls,
                   plans=getattr(args, "plans", True), coord=coordinator(args),
                   checksum_bps=checksum_rate(args, cpu_memory), queue_s=queue_s, ahead=getattr(args, "ahead", False),
-                  deliver=getattr(args, "ahead_deliver", "stream"), **kw)
+                  deliver=getattr(args, "ahead_deliver", "stream"),
+                  publish=None if getattr(args, "publish", "none") == "none" else f"publish_{args.publish}", **kw)
 
 
 def workload(name: str, args: argparse.Namespace, dcs: int, nodes: Optional[int] = None,
@@ -1295,8 +1322,8 @@ def workload(name: str, args: argparse.Namespace, dcs: int, nodes: Optional[int]
         newcomers, holders = every, ()
     kw = dict(max_sources=args.stripe, report_s=args.report_ms / 1e3, refresh_s=args.refresh_ms / 1e3)
     chunks = args.chunks or -(-int(nbytes) // grid_chunk_bytes(int(nbytes)))
-    if name == "elastic":  # newcomers hold no earlier version: nothing to subscribe ahead from
-        args = argparse.Namespace(**dict(vars(args), ahead=False))
+    if name == "elastic":  # newcomers hold no earlier version: nothing to subscribe ahead from (nor a publish)
+        args = argparse.Namespace(**dict(vars(args), ahead=False, publish="none"))
     t0 = time.monotonic()
     th = make_sim(args, cl, nbytes, chunks, holders=holders, readers=tuple(newcomers), **kw).run()
     wall = time.monotonic() - t0
@@ -1542,7 +1569,8 @@ def validate(path: Path, args: argparse.Namespace) -> list[dict]:
         nbytes = mib * (1 << 20)
         chunks = -(-nbytes // grid_chunk_bytes(nbytes))
         # (the testbed's readers call hub.fetch: nothing asked ahead)
-        a = argparse.Namespace(**dict(vars(args), rtt_us=args.testbed_rtt_us, ahead=False))
+        # (the testbed's manifests are a few tensors: their registration, ~1-2 ms, is not charged)
+        a = argparse.Namespace(**dict(vars(args), rtt_us=args.testbed_rtt_us, ahead=False, publish="none"))
         # (the testbed's readers name the version: no resolve call)
         kw = dict(fixed_calls=1, readers=readers, max_sources=4, report_s=0.05, refresh_s=0.05, cpu_memory=True,
                   queue_s=TESTBED_QUEUE_S)
@@ -1695,6 +1723,10 @@ def main() -> int:
     ap.add_argument("--ahead-deliver", choices=("batch", "stream"), default="stream",
                     help="asked ahead: stream (the code: after the bind, each grant made and answered in turn) or "
                          "batch (the code before: every grant made, then every answer written)")
+    ap.add_argument("--publish", choices=("like", "manifest", "none"), default="like",
+                    help="the publisher's registration that completes the version, charged first at t=0: "
+                         "like (the version before's tensors + its sums, what a Hub sends for a model trained "
+                         "in place), manifest (the whole manifest: a first version, other tensors), none (free)")
     ap.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the other --ahead/--no-ahead model (same-host path of the table) and print both")
     ap.add_argument("--beside", choices=(*SAMEHOST_PATHS, "off"), default="nvlink",
@@ -1786,12 +1818,16 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
     if args.protocol == "chunkmap":
         c = co.cost
         print("what the code costs (defaults: measured, see COORD_MS / LOOP_S / CHECKSUM_BPS): one coordinator, "
-              f"first come first served: resolve {c['resolve'] * 1e3:.3f} ms, manifest {c['manifest'] * 1e3:.3f}, "
+              f"first come first served: "
+              + (f"the publisher's registration first ({args.publish}) "
+                 f"{c['publish_' + args.publish] * 1e3:.1f} ms, " if args.publish != "none" else
+                 "the publisher's registration free (--publish none), ")
+              + f"resolve {c['resolve'] * 1e3:.3f} ms, manifest {c['manifest'] * 1e3:.3f}, "
               f"serving lease {c['lease'] * 1e3:.3f}, refresh {c['refresh'] * 1e3:.3f}, release+register "
               f"{c['release'] * 1e3:.3f}, heartbeats {c['heartbeat'] * 1e3:.3f} / {c['report'] * 1e3:.3f} every "
               f"{HEARTBEAT_S:g} s; "
               + (f"subscribed ahead (--ahead, the default): the publish's call binds every subscriber at "
-                 f"{c['bind'] * 1e3:.3f} ms each, then ({args.ahead_deliver}: "
+                 f"{c['bind_fixed'] * 1e3:.1f} ms + {c['bind'] * 1e3:.3f} ms each, then ({args.ahead_deliver}: "
                  + ("every grant, then every answer: the code before" if args.ahead_deliver == "batch" else
                     "each grant and its answer in turn, as the code") + f") a grant {c['grant'] * 1e3:.3f} ms and "
                  f"a wake-up {c['wake'] * 1e3:.3f} ms "
