@@ -217,7 +217,10 @@ class Session:
         if like is not None:
             body = dict(self.replica_body(h, like=like))
             try:
-                return self.as_worker(lambda api: api.register_replica(body)).replica_id
+                rid = self.as_worker(lambda api: api.register_replica(body)).replica_id
+                # the next one names this one: the newest version, the last the coordinator retires
+                self._published[(h.model, h.layout, h.shard)] = (h.version, like.shape_digest)
+                return rid
             except ConflictError as e:
                 if e.code not in ("like_unknown", "like_mismatch"):
                     raise

@@ -167,8 +167,6 @@ class CoordinatorState(Grants):
         self._ids = itertools.count(1)
         #: (model, version, layout, shard) -> digest of its manifest (registration by digest).
         self._digests: dict[tuple, str] = {}
-        #: (model, version, layout, shard) -> [its manifest, chunk bytes of its grid, chunks of
-        #: its grid (None until a partial replica's registration asks)].
         #: shard key -> leases granted on it so far (``Grants._arrival``).
         self._arrivals: dict[ShardKey, int] = {}
         #: Striped plans (``_stripes``): (shard key, datacenter or ``WAN``, root) -> plan, and

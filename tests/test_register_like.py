@@ -153,7 +153,11 @@ def test_a_publisher_the_coordinator_cannot_serve_by_like_sends_the_manifest(con
         assert all(torch.equal(got[k], t) for k, t in w.items())
         assert pub._session._published[key][0] == v  # the next one is named by this one
         sent.clear()
-    w = {k: t + 1 for k, t in w.items()}
-    v = pub.publish("m", w)
-    assert [("like" in b, "manifest" in b) for b in sent] == [(True, False)]
-    assert all(torch.equal(reader.fetch("m", v)[k], t) for k, t in w.items())
+    for _ in range(2):  # each next one names the one before (the newest: retired last)
+        w = {k: t + 1 for k, t in w.items()}
+        before = pub._session._published[key][0]
+        v = pub.publish("m", w)
+        assert [(b.get("like", {}).get("version"), "manifest" in b) for b in sent] == [(before, False)]
+        assert pub._session._published[key][0] == v
+        assert all(torch.equal(reader.fetch("m", v)[k], t) for k, t in w.items())
+        sent.clear()
