@@ -122,10 +122,12 @@ def test_route_costs_bookkeeping():
     assert out["alive"]
     routes = {r["route"]: r for r in out["routes"]}
     sent = routes.pop("(the manifest's JSON, as sent by the trainer)")
-    assert len(routes) == 11, list(routes)
+    assert len(routes) == 12, list(routes)
     for name, r in routes.items():
         assert r["statuses"] == {200: r["n"]}, (name, r)
     assert routes["lease refresh"]["n"] == routes["complete + release"]["n"] == 6
+    # the next versions of the same tensors, each published by the one before's (``RegisterReplica.like``)
+    assert routes["publish: register v+1 like v (the same 300 tensors)"]["n"] == mod.LIKES
     for got in ("GET manifest: the first (encodes)", "GET manifest: the others"):
         assert 0 < routes[got]["bytes"] < 0.25 * sent["bytes"], (routes[got], sent)  # gzipped
 
