@@ -150,6 +150,50 @@ def test_lease_answers_equal_the_grants_own_json_byte_for_byte():
     assert answers.encode(g) == g.model_dump_json().encode()
 
 
+def test_lease_answers_encode_a_versions_sums_once_and_splice_them_byte_for_byte():
+    """A lease asked ahead carries its version's checksums (``LeaseGrant.sums``, the same for
+    every subscriber): ``LeaseAnswers`` encodes them once per sums list and splices them. The
+    bytes equal ``model_dump_json`` with and without address lists to splice, with meta,
+    with strings in the grant that look like the splice point; other sums (another version,
+    or the same list object with other meta) are encoded anew, never answered stale."""
+    import random
+
+    from tensorhub._manifest_cache import SUMS_KEPT, LeaseAnswers, _SUMS_STUB_JSON
+    from tensorhub._wire import LeaseGrant, Locality, ReplicaInfo, VersionMeta, VersionSums
+
+    rng = random.Random(7)
+    answers = LeaseAnswers()
+
+    def grant(sums, n_addresses: int, reason: str = "") -> LeaseGrant:
+        reps = [ReplicaInfo(replica_id=f"r-{i}", worker_id=f"w{i}", endpoint="127.0.0.1:1",
+                            locality=Locality(datacenter="d", zone="z", host=f"h{i}"),
+                            addresses=[4096 * k for k in range(n_addresses)], cost=i) for i in range(3)]
+        return LeaseGrant(lease_id="l-1", model="m", version=3, layout="hf", shard=0, num_shards=1, replicas=reps,
+                          ttl=30.0, reason=reason, sums=sums)
+
+    big = [rng.getrandbits(64) for _ in range(256)]  # past 2**63 too: pydantic's slow path
+    s1 = VersionSums(checksum="xxh3_64", checksums=big, meta=VersionMeta(kind="lora", base="m", config={"r": 8, "lora_alpha": 16, "target_modules": ["q"], "note": "\x01sums\x01"}))
+    odd = _SUMS_STUB_JSON.decode() + ' "addresses":[] \x01sums\x01 \u0001'
+    for sums in (s1, VersionSums(checksum="xxh3_64", checksums=big[:3]), None):
+        for n in (0, 100):
+            for reason in ("", odd):
+                g = grant(sums, n, reason)
+                for _ in range(2):  # encoded, then spliced from what was kept
+                    assert answers.encode(g) == g.model_dump_json().encode()
+    # the same list object, other meta (another version made from it): not the kept JSON
+    s2 = VersionSums(checksum="xxh3_64", checksums=big, meta=VersionMeta(kind="full"))
+    g = grant(s2, 0)
+    assert answers.encode(g) == g.model_dump_json().encode()
+    # a list changed in place keeps its id: a new list is what a new version registers
+    # (manifests are immutable); a different list with equal values encodes equal bytes
+    g = grant(VersionSums(checksum="xxh3_64", checksums=list(big)), 0)
+    assert answers.encode(g) == g.model_dump_json().encode()
+    for k in range(SUMS_KEPT + 3):  # bounded
+        g = grant(VersionSums(checksum="xxh3_64", checksums=[rng.getrandbits(64) for _ in range(20)]), 0)
+        assert answers.encode(g) == g.model_dump_json().encode()
+    assert len(answers._sums) <= SUMS_KEPT
+
+
 @pytest.mark.parametrize("n", [0, 1, 2048, 2049, 3 * 2048 + 7, 20_000])
 @pytest.mark.parametrize("extra", ["none", "slices", "checksums"])
 def test_a_large_manifests_json_made_in_pieces_is_its_json_byte_for_byte(n, extra):
