@@ -314,12 +314,10 @@ class Grants:
         # by a plan rooted at its partial replica)
         seed = tuple(lvl for lvl in LEVELS if not seeders[lvl][1] or seeders[lvl][0] == req.worker_id) \
             if wan else ()
-        sources = []
-        for rid, (r, w) in by_id.items():
-            partial = r.chunks is not None
-            c = Candidate(rid, r.worker_id, w.locality, self.registry.load(rid, now, refresh), r.registered_at,
-                          None if not partial else frozenset(r.chunks) if r.chunks else _NONE, _NONE)
-            sources.append((c, locality_cost(reader.locality, w.locality)))
+        # (the plan chose these: a candidate here names its replica, nothing is ranked by its
+        # load or chunks)
+        sources = [(Candidate(rid, r.worker_id, w.locality), locality_cost(reader.locality, w.locality))
+                   for rid, (r, w) in by_id.items()]
         choice = Choice(tuple(sources), seed, f"striped plan{' across datacenters' if wan else ''}, {who} of "
                         f"{len(plan.members)}" + (" (forming)" if again else ""))
         return (choice, row, again, by_id), offered
@@ -330,7 +328,9 @@ class Grants:
         usual choice. A new serving pipelined lease joins one where one source is scarce
         (``_stripes.plan_root``; across datacenters ``wan_root``); a refresh keeps the plan
         of its first grant. ``serving(rid)``: the replica and its worker if it may be used."""
-        if refresh is not None:
+        if refresh is not None or (key, req.worker_id) in self.joined:
+            # (a subscriber bound ahead joined its plan in the publisher's call, ``join_ahead``:
+            # that plan, not its root worked out again for each of a thousand grants)
             pk = self.plan_of.get((key, req.worker_id))
             return None if pk is None or pk not in self.plans else (self.plans[pk], pk)
         o = req.serve

@@ -308,6 +308,93 @@ class _FastHeartbeat:
         await resp(scope, receive, send)
 
 
+async def _lease(coord: Coordinator, req: AcquireLease, wait: float) -> bytes:
+    """``POST /v1/leases`` (the route, and ``_Leases``): the grant's JSON, ``{"pending":
+    true}`` for a poll asked ahead that nothing answered in ``wait`` seconds; raises the
+    refusal (CoordinatorError)."""
+    if not req.ahead:
+        grant = await coord.acall(lambda now: coord.state.acquire_lease(now, req))
+        if grant.lease_id != req.lease_id:
+            coord.metrics.leases_granted.labels(grant.model).inc()
+        # Already a validated LeaseGrant: serialized once (response_model would re-validate it).
+        return coord.lease_answers.encode(grant)
+    rid = str(req.request_id)
+    arrived = time.monotonic()
+    fut = coord.subscribers.register(req.worker_id, rid, arrived) if req.request_id is not None else None
+    try:
+        grant = await coord.acall(lambda now: coord.state.subscribe(now, req, wait))
+        if grant is None:
+            assert fut is not None
+            let_go = before_disk_wait.get()
+            if let_go is not None:
+                let_go()  # held: the gate's slot goes to the next call
+            try:
+                answer = await asyncio.wait_for(fut, wait)
+            except asyncio.TimeoutError:
+                answer = None
+            if answer is None:
+                return b'{"pending":true}'
+            if isinstance(answer, CoordinatorError):
+                raise answer
+            coord.metrics.leases_granted.labels(req.model).inc()
+            return answer
+    finally:
+        if fut is not None:
+            coord.subscribers.forget(req.worker_id, rid, fut)
+    coord.metrics.leases_granted.labels(grant.model).inc()
+    return coord.lease_answers.encode(grant)
+
+
+class _Leases:
+    """``POST /v1/leases`` without FastAPI's routing and validation: every reader asks one
+    per version (a subscriber's is held until the version is published, then answered in
+    plan order, ``_ahead``), so its fixed cost, paid on the event loop, is paid once per
+    reader-version; at 1,024 subscribers the answers go out one after another. The body is
+    parsed with the request model, ``wait`` read from the query; the answer is the route's
+    (``_lease``), sent as two ASGI messages. A body or query this path cannot parse goes to
+    the route (its 422 as always). Sits inside ``_Guard`` (token, size, the gate)."""
+
+    def __init__(self, app: Any, coord: Coordinator) -> None:
+        self.app, self.coord = app, coord
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/leases"):
+            return await self.app(scope, receive, send)
+        wait = _wait_of(scope.get("query_string", b""))
+        body = await _read_body(receive)
+        if body is None:
+            return
+        try:
+            req = None if wait is None else AcquireLease.model_validate_json(body)
+        except ValueError:
+            req = None
+        if req is None:  # the route answers it (422 as always)
+            return await self.app(scope, _replay(body, receive), send)
+        try:
+            answer = await _lease(self.coord, req, wait)  # type: ignore[arg-type]
+        except CoordinatorError as e:
+            resp = _not_leader(self.coord, scope) if e.code == NOT_LEADER else error_response(e)
+            return await resp(scope, receive, send)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(answer))]})
+        await send({"type": "http.response.body", "body": answer})
+
+
+def _wait_of(query: bytes) -> Optional[float]:
+    """``?wait=S`` of a lease request (0 without one), or None where the route must judge
+    the query (several, not a number, out of 0..60)."""
+    if not query:
+        return 0.0
+    waits = [v for k, _, v in (p.partition(b"=") for p in query.split(b"&")) if k == b"wait"]
+    if not waits:
+        return 0.0
+    try:
+        w = float(waits[0]) if len(waits) == 1 else None
+    except ValueError:
+        return None
+    return w if w is not None and 0.0 <= w <= 60.0 else None
+
+
 async def _register(coord: Coordinator, req: RegisterReplica) -> dict:
     """``POST /v1/replicas`` (the route, and ``_Registration``)."""
     if req.release:  # a reader's last call of a read: release its leases, then register
@@ -499,6 +586,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
 
     app.add_middleware(_FastHeartbeat, coord=coord)
     app.add_middleware(_Registration, coord=coord)
+    app.add_middleware(_Leases, coord=coord)
     if coord.election is not None:
         app.add_middleware(_LeaderGate, coord=coord)
     app.add_middleware(_Guard, expected=expected, count=coord.metrics.request,  # added last: outermost
@@ -649,41 +737,10 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
     async def acquire(req: AcquireLease, wait: float = Query(default=0.0, ge=0.0, le=60.0)) -> Response:
         """A read lease. Asked ahead (``req.ahead``, ``tensorhub._ahead``): held up to ``wait``
         seconds until a complete version >= ``req.version`` exists; ``{"pending": true}``
-        if none came (ask again with the same ``request_id``: the place is kept)."""
-        if req.ahead:
-            return await _ahead(req, wait)
-        grant = await coord.acall(lambda now: st().acquire_lease(now, req))
-        if grant.lease_id != req.lease_id:
-            coord.metrics.leases_granted.labels(grant.model).inc()
-        # Already a validated LeaseGrant: serialize once (response_model would re-validate it).
-        return Response(coord.lease_answers.encode(grant), media_type="application/json")
-
-    async def _ahead(req: AcquireLease, wait: float) -> Response:
-        rid = str(req.request_id)
-        arrived = time.monotonic()
-        fut = coord.subscribers.register(req.worker_id, rid, arrived) if req.request_id is not None else None
-        try:
-            grant = await coord.acall(lambda now: st().subscribe(now, req, wait))
-            if grant is None:
-                assert fut is not None
-                let_go = before_disk_wait.get()
-                if let_go is not None:
-                    let_go()  # held: the gate's slot goes to the next call
-                try:
-                    answer = await asyncio.wait_for(fut, wait)
-                except asyncio.TimeoutError:
-                    answer = None
-                if answer is None:
-                    return Response(b'{"pending":true}', media_type="application/json")
-                if isinstance(answer, CoordinatorError):
-                    raise answer
-                coord.metrics.leases_granted.labels(req.model).inc()
-                return Response(answer, media_type="application/json")
-        finally:
-            if fut is not None:
-                coord.subscribers.forget(req.worker_id, rid, fut)
-        coord.metrics.leases_granted.labels(grant.model).inc()
-        return Response(coord.lease_answers.encode(grant), media_type="application/json")
+        if none came (ask again with the same ``request_id``: the place is kept).
+        (``_Leases`` answers it without FastAPI's routing; this route keeps it in the
+        OpenAPI document and answers what that path refuses to parse, with the 422.)"""
+        return Response(await _lease(coord, req, wait), media_type="application/json")
 
     @app.post("/v1/leases/{lease_id}/renew")
     async def renew(lease_id: str = _id()) -> dict:
