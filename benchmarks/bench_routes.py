@@ -55,7 +55,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_fleet import _fetch_report, moe_manifest  # noqa: E402
+from bench_fleet import _checksummed, _fetch_report, moe_manifest  # noqa: E402
 from bench_load import CoordinatorProc, _cpu, _Pool, _run_loop  # noqa: E402
 
 
@@ -311,7 +311,9 @@ def run_ahead(*, readers: int = 1024, tensors: int = 50_000, chunks: int = 256, 
     import gc
     import statistics
 
-    man = moe_manifest(tensors, chunks)
+    # (with one checksum per chunk, as a Hub publishes by default: a subscriber's grant
+    # carries them, ``LeaseGrant.sums``)
+    man = _checksummed(moe_manifest(tensors, chunks), 1)
     rounds = []
     for _ in range(reps):
         gc.collect()

@@ -413,8 +413,13 @@ FIXED_CALLS = 2  # resolve ("latest") and the manifest GET, before the lease (1:
 COORD_MS = {
     "resolve": 0.112,  # POST .../resolve: ``latest`` (or a woken ``wait``)
     "manifest": 0.132,  # GET .../manifest (gzip, encoded once)
-    "lease": 0.508,  # POST /v1/leases with ``serve``: the grant and the partial replica's registration
-    "refresh": 0.274,  # POST /v1/leases, the same lease again (a plan's fixed layout, or a stall)
+    # 2026-12-07 (second session): ``POST /v1/leases`` answered without FastAPI's routing
+    # (``coordinator._Leases``): the lease and refresh rows of ``python benchmarks/bench_routes.py
+    # --addresses runs --no-ahead --readers 256``, the tree before and after run one after the
+    # other on one machine (a slower day: 3.05 -> 2.27-2.34 ms and 0.938 -> 0.469 ms), applied
+    # as ratios (x0.75, x0.50) to the figures measured before (0.508, 0.274).
+    "lease": 0.381,  # POST /v1/leases with ``serve``: the grant and the partial replica's registration
+    "refresh": 0.137,  # POST /v1/leases, the same lease again (a plan's fixed layout, or a stall)
     "release": 0.240,  # POST /v1/replicas: the complete replica registered + the lease released, one call
     "heartbeat": 0.039,  # every worker, every HEARTBEAT_S
     "report": 0.058,  # the heartbeat of a worker that is reading (it carries a fetch report)
@@ -431,7 +436,16 @@ COORD_MS = {
     # 256 and 1,024 subscribers: 5.3, 8.6, 18.4, 56.9 ms).
     "bind": 0.055,  # per subscriber, in the call that completes the version (all before any answer)
     "bind_fixed": 4.5,  # once per publish with subscribers, in that call
-    "grant": 0.105,  # per subscriber: its grant made from the fixed plan and encoded
+    # Per subscriber, its grant made from the fixed plan and encoded. 0.105 was measured on a
+    # manifest without checksums; a Hub publishes them (on by default) and each grant carries
+    # them (``LeaseGrant.sums``), which pydantic wrote at ~0.75 us per 64-bit sum: the code
+    # before 2026-12-07 (second session) cost x1.62 that (``bench_routes.py --only ahead --reps
+    # 3``, now with one checksum per chunk, 256 chunks, old and new trees alternating: grant +
+    # encode 0.57-0.63 ms old, 0.36-0.38 ms new, on that slower day; ``--coord-costs
+    # grant=0.170`` models the code before). Now the sums are encoded once per version and
+    # spliced (``LeaseAnswers``) and a bound subscriber keeps the plan it joined: x0.62, i.e.
+    # the 0.105 measured without sums holds with them.
+    "grant": 0.105,
     # Earlier (before the grants were streamed), measured by
     # ``python benchmarks/bench_routes.py --only ahead --reps 5`` (1,024 subscribers on hosts of
     # 8, 50,000 tensors, offers as address runs; 15 s), this shared 2-core VM: ``bind_ahead`` +
@@ -445,7 +459,13 @@ COORD_MS = {
     # measured on the real coordinator process by ``python benchmarks/bench_fleet.py --burst
     # --repeat 2`` (1,024 subscribers; docs/operations/benchmarks.md, "A lease burst"): 146 us
     # on a quiet machine (an earlier run under load: 107 us); issue 31's target ~0.02 ms.
-    "wake": 0.146,
+    # 2026-12-07 (second session): the held request answered as two ASGI messages
+    # (``coordinator._Leases``), not through FastAPI's route and response: the coordinator's CPU
+    # per subscriber between the first answer and the last, less its grant's make and encode
+    # (``_coordinator.Subscribers._stream`` timed inside the real coordinator process under
+    # ``bench_fleet.py --burst --burst-modes ahead``, old and new trees alternating, two rounds
+    # each): ~190 -> ~128 us, applied as a ratio (x0.67) to 0.146.
+    "wake": 0.098,
     # The publisher's registration of the new version, the call that completes it (before
     # anyone may read it), 50,000 tensors, ``python benchmarks/bench_routes.py`` ("publish"
     # rows): with its whole manifest (parsed and validated on a thread, then the state call)
@@ -453,7 +473,7 @@ COORD_MS = {
     # Hub sends for a model trained in place, every version after its first). ``--publish``.
     "publish_manifest": 220.0,
     "publish_like": 25.0,
-    "lease_plain": 0.355,  # a lease without ``serve`` (nothing registered): as a refresh
+    "lease_plain": 0.178,  # a lease without ``serve`` (nothing registered): as a refresh (0.355 x0.50, above)
     "release_plain": 0.355,  # a release without a registration: as a refresh
     "renew": 0.052,  # a lease renewal: as a heartbeat
 }
