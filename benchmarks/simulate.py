@@ -395,6 +395,13 @@ CLAIM_PATIENCE = 0.5
 SPILL = True  # a plan's member also serves chunks of stripes it does not parent, when idle (the
 #               reader's stripe parent holding that whole stripe already)
 PLAN_STATUS_INTERVAL = 0.002  # ... for a reader with a plan (parents it follows closely)
+#: ``ShardReader._busy_cap`` (2026-12-07): while reads are in flight the loop sleeps at most
+#: CAP_SHARE of the time between two chunks landing (smoothed, GAP_EWMA: seen landed, the
+#: loop's lateness included; an idle spell is no gap), between POLL / 8 and POLL; under a
+#: plan its parents' maps are read as often (at most PLAN_STATUS_INTERVAL apart). Before:
+#: POLL and PLAN_STATUS_INTERVAL (``--cap-share 0`` models that).
+CAP_SHARE = 0.25
+GAP_EWMA = 0.25
 LEASE_TTL = 30.0  # renewals every max(0.1, ttl / 3): none in a read shorter than 10 s
 FIXED_CALLS = 2  # resolve ("latest") and the manifest GET, before the lease (1: the version was named)
 
@@ -574,6 +581,17 @@ class MapReader:
     rank: dict = field(default_factory=dict)  # chunk -> its place in the reader's order
     needset: set = field(default_factory=set)  # = set(need)
     busy: dict = field(default_factory=dict)  # source -> its reads in flight (from inflight)
+    landed_at: Optional[float] = None  # the last chunk seen landed in a busy spell (``ShardReader._landed_at``)
+    gap_s: Optional[float] = None  # seconds between two landings, smoothed (``ShardReader._gap_s``)
+
+    def busy_cap(self) -> float:
+        """``ShardReader._busy_cap``: the loop's longest sleep while reads are in flight."""
+        g = self.gap_s
+        return POLL if g is None or CAP_SHARE <= 0 else min(POLL, max(POLL / 8, g * CAP_SHARE))
+
+    def map_gap(self) -> float:
+        """Least seconds between two reads of one source's chunk map (``PipelinedReader._maps``)."""
+        return STATUS_INTERVAL if self.plan is None else min(PLAN_STATUS_INTERVAL, self.busy_cap())
 
 
 class MapSim(Sim):
@@ -927,6 +945,8 @@ class MapSim(Sim):
                 r.need.remove(ch)
                 r.needset.discard(ch)
                 spill = None
+                if not r.inflight and r.landed_at is None:
+                    r.landed_at = now
                 r.inflight[ch] = s
                 self._add_flow(r, s, ch)
                 busy[s] = busy.get(s, 0) + 1
@@ -992,7 +1012,7 @@ class MapSim(Sim):
             s = int(c.worker_id)
             if c.chunks is None or s in r.map_pending or busy.get(s, 0) >= self.depth:
                 continue
-            if s in r.avail and now - r.map_last.get(s, 0.0) < (STATUS_INTERVAL if r.plan is None else PLAN_STATUS_INTERVAL):
+            if s in r.avail and now - r.map_last.get(s, 0.0) < r.map_gap():
                 continue
             r.map_pending[s] = float("inf")  # (sent at the end of the step: :meth:`_send_maps`)
             r.map_last[s] = now
@@ -1051,6 +1071,12 @@ class MapSim(Sim):
                     r.have.add(ch)
                     if r.inflight.pop(ch, None) is not None:
                         busy[s] -= 1
+                if r.landed_at is not None:
+                    gap = (now - r.landed_at) / len(done)
+                    r.gap_s = gap if r.gap_s is None else r.gap_s + GAP_EWMA * (gap - r.gap_s)
+                    r.landed_at = now
+                if not r.inflight:
+                    r.landed_at = None
                 r.last_progress, r.dirty = now, True
                 cpu += len(done) * self.per_chunk  # verified and marked one by one, on the loop's thread
             if done or len(r.marked_coming) != len(r.inflight):  # tick: READY for what completed,
@@ -1073,7 +1099,7 @@ class MapSim(Sim):
         wake = now + cpu + r.sleep
         if r.plan is not None and r.map_pending:
             wake = min(wake, now + cpu + max(self.tick, POLL / 8))
-        r.sleep = min(r.sleep * 2, POLL if r.inflight or r.plan is not None else IDLE_CAP)
+        r.sleep = min(r.sleep * 2, r.busy_cap() if r.inflight or r.plan is not None else IDLE_CAP)
         if r.plan_refresh:
             wake = min(wake, max(now + self.tick, r.plan_refresh))
         # (a speed-up only) turns that cannot change anything are skipped: the reader wakes at
@@ -1083,7 +1109,7 @@ class MapSim(Sim):
         t = self._next_event(r, now, busy)
         if t > wake + 1e-12:
             nap = max(self.tick, POLL / 8) if r.plan is not None and r.map_pending else 0.0
-            cap = POLL if r.inflight or r.plan is not None else IDLE_CAP
+            cap = r.busy_cap() if r.inflight or r.plan is not None else IDLE_CAP
             parked = (wake, r.sleep, nap, cap)
             w, r.sleep = self._advance(parked, t)
             self._wake(r, w)
@@ -1106,7 +1132,7 @@ class MapSim(Sim):
             elif c.chunks is not None and busy.get(s, 0) < self.depth and r.need:
                 if s not in r.avail:
                     return now
-                t = min(t, r.map_last.get(s, 0.0) + (STATUS_INTERVAL if r.plan is None else PLAN_STATUS_INTERVAL))
+                t = min(t, r.map_last.get(s, 0.0) + r.map_gap())
         if r.plan_refresh:
             t = min(t, r.plan_refresh)
         if not r.inflight:  # a stall: claims dropped, a refresh
@@ -1756,6 +1782,9 @@ def main() -> int:
                     help="coordinator service times, ms, e.g. lease=0.85,refresh=0.355 (calls: "
                          f"{', '.join(COORD_MS)}; defaults: bench_routes, see COORD_MS)")
     ap.add_argument("--coord-scale", type=float, default=1.0, help="multiply every coordinator service time")
+    ap.add_argument("--cap-share", type=float, default=CAP_SHARE,
+                    help="the read loop's longest sleep while reads are in flight, as a share of the time between "
+                         "two chunks landing (ShardReader.CAP_SHARE); 0: always POLL (the code before 2026-12-07)")
     ap.add_argument("--checksum", choices=("auto", "on", "off"), default="auto",
                     help="TENSORHUB_CHECKSUM: auto verifies CPU destinations only (none on a GPU fleet)")
     ap.add_argument("--uplink-queue-ms", type=float, default=0.0,
@@ -1788,6 +1817,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="simulations run at once")
     ap.add_argument("--json", default="out/simulate.json")
     args = ap.parse_args()
+    globals()["CAP_SHARE"] = args.cap_share  # (read by MapReader.busy_cap; forked jobs inherit it)
     t_start = time.monotonic()
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
     if args.measure_cpu:

@@ -135,7 +135,7 @@ class PipelinedReader(ShardReader):
     def _idle_cap(self) -> float:
         # Under a plan the next chunk comes from a parent that is receiving it now: poll
         # as while reads are in flight, not with the idle back-off.
-        return self.poll_interval if self.plan is not None else self.refresh_interval / 2
+        return self._busy_cap if self.plan is not None else self.refresh_interval / 2
 
     def follow_plan(self, plan: Optional[Sequence[str]], refresh_after: float) -> None:
         """Take the plan of a lease answer (None: none) and when to ask again for its
@@ -286,7 +286,9 @@ class PipelinedReader(ShardReader):
                 continue  # it has work: its map is read when it idles
             rid = src.replica_id
             have = self.avail.get(rid)
-            gap = self.status_interval if self.plan is None else self.plan_status_interval
+            # (under a plan, a parent's map as often as the loop polls its own reads: it
+            # forwards chunks as fast as they land)
+            gap = self.status_interval if self.plan is None else min(self.plan_status_interval, self._busy_cap)
             if have is not None and now - self._map_last.get(rid, 0.0) < gap:
                 continue
             self._read_map(src, now)

@@ -109,6 +109,10 @@ class ShardReader:
         #: Set by ``get_sources`` when the coordinator had no source: the error at the deadline.
         self.why_no_source = ""
         self._last_progress = 0.0
+        #: Seconds between two chunks landing while reads are in flight, smoothed (None: not
+        #: measured yet), and when the last one was seen (None: nothing in flight since).
+        self._gap_s: Optional[float] = None
+        self._landed_at: Optional[float] = None
 
     def _cut(self, chunk_bytes: int) -> list[list[tuple[int, int, int]]]:
         """Chunks as lists of (tensor index, offset in tensor, length)."""
@@ -285,18 +289,20 @@ class ShardReader:
                         fail(src, str(e))
                         break
                     nb = self.chunk_bytes(c)
+                    if not inflight and self._landed_at is None:
+                        self._landed_at = now  # a busy spell starts: the first gap runs from here
                     inflight[h] = _Inflight(c, src, now, now + self.progress_timeout + nb / self.min_rate)
                     self._submitted(c)
                     busy[src.replica_id] += 1
                     progressed = True
             self._refresh(need, sources, failed, get_sources, busy, now)
-            done_any = False
+            done_any = 0
             for h in list(inflight):
                 f = inflight[h]
                 st = self._poll_one(inflight, h, fail)
                 if st == PENDING:
                     continue
-                done_any = True
+                done_any += 1
                 self._last_progress = time.monotonic()
                 self._ended(f.chunk)
                 if st == DONE and not f.abandoned:
@@ -309,12 +315,13 @@ class ShardReader:
                     if st != DONE:
                         fail(f.source, f"read failed with code {st}")
                     need.appendleft(f.chunk)
+            self._landed(done_any, bool(inflight))
             on_tick()
             if done_any:
                 sleep = self.poll_interval / 8
             elif inflight or need:
                 time.sleep(self._nap(sleep))
-                sleep = min(sleep * 2, self.poll_interval if inflight else self._idle_cap)
+                sleep = min(sleep * 2, self._busy_cap if inflight else self._idle_cap)
 
     def _deadline_error(self, need, inflight, sources) -> FetchError:
         stuck = [f.source.endpoint for f in inflight.values() if f.abandoned]
@@ -323,6 +330,37 @@ class ShardReader:
         return FetchError(
             f"fetch deadline passed with {len(need) + len(inflight)} of {len(self.chunks)} chunks "
             f"unread" + (f"; batches from {sorted(set(stuck))} never ended" if stuck else ""))
+
+    #: While reads are in flight the loop sleeps at most this share of the time between two
+    #: chunks landing (``_busy_cap``); the weight of the newest gap in that time.
+    CAP_SHARE = 0.25
+    GAP_EWMA = 0.25
+
+    def _landed(self, n: int, busy: bool) -> None:
+        """``n`` batches ended in this turn; ``busy``: reads still in flight after it."""
+        if n and self._landed_at is not None:
+            now = self._last_progress
+            gap = (now - self._landed_at) / n
+            g = self._gap_s
+            self._gap_s = gap if g is None else g + self.GAP_EWMA * (gap - g)
+            self._landed_at = now
+        if not busy:
+            self._landed_at = None  # an idle spell (waiting for sources) is no gap
+
+    @property
+    def _busy_cap(self) -> float:
+        """The longest sleep while reads are in flight: ``poll_interval``, or a quarter of
+        the time between two chunks landing once that was measured, if that is shorter (not
+        under ``poll_interval / 8``). A landed chunk is seen at most that late. At 400 Gbit/s
+        a 64 MiB chunk lands every ~1.3 ms however many share the NIC, and a sleep of up to
+        2 ms after it landed cost every hop of a plan's tree up to 2 ms more
+        (``benchmarks/simulate.py``); where chunks land further apart (slower links, fewer
+        sources) the loop polls no more often than before, so its polls per chunk stay
+        bounded. The gap measured includes the loop's own lateness: it converges from above."""
+        g = self._gap_s
+        if g is None:
+            return self.poll_interval
+        return min(self.poll_interval, max(self.poll_interval / 8, g * self.CAP_SHARE))
 
     # Policy hooks of a plain read: chunks in order, any source for any chunk, new sources
     # (a new lease) only when none is left.
