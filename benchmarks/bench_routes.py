@@ -284,7 +284,7 @@ def _ahead_round(readers: int, man: dict, chunks: int) -> dict:
     manifest2 = Manifest.model_validate(man)  # (v2's manifest, as parsed from its registration: a new object)
     c0 = time.process_time()
     manifest_json(manifest2)  # what the registration's parse thread makes, off the event loop
-    if st.ahead.waits_on("policy"):  # (``coordinator._parse_registration``)
+    if st.ahead.waits_on("policy"):  # (``_asgi._parse_registration``)
         warm(manifest2)
     thread = time.process_time() - c0
     c0 = time.process_time()

@@ -421,7 +421,7 @@ COORD_MS = {
     "resolve": 0.112,  # POST .../resolve: ``latest`` (or a woken ``wait``)
     "manifest": 0.132,  # GET .../manifest (gzip, encoded once)
     # 2026-12-07 (second session): ``POST /v1/leases`` answered without FastAPI's routing
-    # (``coordinator._Leases``): the lease and refresh rows of ``python benchmarks/bench_routes.py
+    # (``_asgi._Leases``): the lease and refresh rows of ``python benchmarks/bench_routes.py
     # --addresses runs --no-ahead --readers 256``, the tree before and after run one after the
     # other on one machine (a slower day: 3.05 -> 2.27-2.34 ms and 0.938 -> 0.469 ms), applied
     # as ratios (x0.75, x0.50) to the figures measured before (0.508, 0.274).
@@ -467,7 +467,7 @@ COORD_MS = {
     # --repeat 2`` (1,024 subscribers; docs/operations/benchmarks.md, "A lease burst"): 146 us
     # on a quiet machine (an earlier run under load: 107 us); issue 31's target ~0.02 ms.
     # 2026-12-07 (second session): the held request answered as two ASGI messages
-    # (``coordinator._Leases``), not through FastAPI's route and response: the coordinator's CPU
+    # (``_asgi._Leases``), not through FastAPI's route and response: the coordinator's CPU
     # per subscriber between the first answer and the last, less its grant's make and encode
     # (``_coordinator.Subscribers._stream`` timed inside the real coordinator process under
     # ``bench_fleet.py --burst --burst-modes ahead``, old and new trees alternating, two rounds

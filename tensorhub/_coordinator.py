@@ -35,7 +35,7 @@ NOT_LEADER = "not_leader"
 
 
 #: Called (if set, in the caller's context) before a call waits for the disk: the HTTP
-#: shell's gate (``coordinator._Guard``) lets go of the caller's slot there, so a slow
+#: shell's gate (``_asgi._Guard``) lets go of the caller's slot there, so a slow
 #: disk holds no slot and group commits still batch every caller waiting.
 before_disk_wait: contextvars.ContextVar[Optional[Callable[[], None]]] = contextvars.ContextVar(
     "tensorhub_before_disk_wait", default=None)

@@ -1,4 +1,4 @@
-"""The coordinator's gate for the readers' calls (``coordinator._Guard``, ``GATE_SLOTS``):
+"""The coordinator's gate for the readers' calls (``_asgi._Guard``, ``GATE_SLOTS``):
 a burst of leases, resolves and manifest GETs runs a few at a time, so heartbeats and other
 short calls are answered between them; a slow body, an unread answer or a slow disk holds
 no slot."""
@@ -12,7 +12,8 @@ import pytest
 
 from tensorhub._coordinator import Coordinator
 from tensorhub._state import StateConfig
-from tensorhub.coordinator import GATE_SLOTS, _Gate, _gate_rank, _Guard, create_app
+from tensorhub._asgi import GATE_SLOTS, _Gate, _gate_rank, _Guard
+from tensorhub.coordinator import create_app
 
 from _stores import SlowStore
 
@@ -283,7 +284,8 @@ def test_a_large_registration_is_parsed_off_the_loop_and_answered_as_the_route_w
     a registration for a version never allocated is the route's 404/409."""
     import json
 
-    from tensorhub.coordinator import _LARGE_BODY, EmbeddedCoordinator
+    from tensorhub._asgi import _LARGE_BODY
+    from tensorhub.coordinator import EmbeddedCoordinator
 
     n = 12_000
     body = _big_registration(n)
@@ -377,7 +379,7 @@ def test_a_publish_with_subscribers_warms_its_manifest_on_the_parse_thread():
     import json
 
     from tensorhub import _grants, _wire
-    from tensorhub.coordinator import _parse_registration
+    from tensorhub._asgi import _parse_registration
 
     body = json.dumps(_big_registration(64)).encode()
     cold = _parse_registration(body, lambda model: False)

@@ -93,7 +93,7 @@ def test_client_text_cannot_forge_log_lines(embedded, caplog):
 
 
 def test_heartbeat_fast_path_answers_like_the_route(embedded):
-    """Heartbeats skip FastAPI's routing (coordinator._FastHeartbeat); same answers."""
+    """Heartbeats skip FastAPI's routing (_asgi._FastHeartbeat); same answers."""
     with httpx.Client(base_url=embedded.url, timeout=10) as http:
         http.post("/v1/workers", json={"worker_id": "w:1@x", "endpoint": "x:1"}).raise_for_status()
         r = http.post("/v1/workers/w:1@x/heartbeat")
