@@ -126,6 +126,7 @@ from tensorhub._stripes import (  # noqa: E402 - the plans it grants
     HOSTS_IN_PLANS,
     MIN_CHUNKS, NONE, STRIPES, WAN, WINDOW, Plan, plan_root, relayed, wan_root, wan_stripes,
 )
+from tensorhub._reader import CAP_SHARE, busy_cap, next_gap  # noqa: E402 - the read loop's poll
 from tensorhub._wire import Locality  # noqa: E402
 
 GB = 1e9
@@ -395,13 +396,11 @@ CLAIM_PATIENCE = 0.5
 SPILL = True  # a plan's member also serves chunks of stripes it does not parent, when idle (the
 #               reader's stripe parent holding that whole stripe already)
 PLAN_STATUS_INTERVAL = 0.002  # ... for a reader with a plan (parents it follows closely)
-#: ``ShardReader._busy_cap`` (2026-12-07): while reads are in flight the loop sleeps at most
-#: CAP_SHARE of the time between two chunks landing (smoothed, GAP_EWMA: seen landed, the
-#: loop's lateness included; an idle spell is no gap), between POLL / 8 and POLL; under a
-#: plan its parents' maps are read as often (at most PLAN_STATUS_INTERVAL apart). Before:
-#: POLL and PLAN_STATUS_INTERVAL (``--cap-share 0`` models that).
-CAP_SHARE = 0.25
-GAP_EWMA = 0.25
+# ``ShardReader._busy_cap`` (2026-12-07): while reads are in flight the loop sleeps at most
+# CAP_SHARE of the time between two chunks landing (the code's ``busy_cap`` and ``next_gap``:
+# seen landed, the loop's lateness included; an idle spell is no gap); under a plan its
+# parents' maps are read as often (at most PLAN_STATUS_INTERVAL apart). Before: POLL and
+# PLAN_STATUS_INTERVAL (``--cap-share 0`` models that).
 LEASE_TTL = 30.0  # renewals every max(0.1, ttl / 3): none in a read shorter than 10 s
 FIXED_CALLS = 2  # resolve ("latest") and the manifest GET, before the lease (1: the version was named)
 
@@ -584,15 +583,6 @@ class MapReader:
     landed_at: Optional[float] = None  # the last chunk seen landed in a busy spell (``ShardReader._landed_at``)
     gap_s: Optional[float] = None  # seconds between two landings, smoothed (``ShardReader._gap_s``)
 
-    def busy_cap(self) -> float:
-        """``ShardReader._busy_cap``: the loop's longest sleep while reads are in flight."""
-        g = self.gap_s
-        return POLL if g is None or CAP_SHARE <= 0 else min(POLL, max(POLL / 8, g * CAP_SHARE))
-
-    def map_gap(self) -> float:
-        """Least seconds between two reads of one source's chunk map (``PipelinedReader._maps``)."""
-        return STATUS_INTERVAL if self.plan is None else min(PLAN_STATUS_INTERVAL, self.busy_cap())
-
 
 class MapSim(Sim):
     """The control loop as implemented with chunk maps (``_pipeline``, ``_chunkmap``, ``_fetch``):
@@ -645,8 +635,10 @@ class MapSim(Sim):
                  tick: float = 0.25e-3, fixed_calls: int = FIXED_CALLS, plans: bool = True,
                  coord: Optional[Coordinator] = None, checksum_bps: float = 0.0, queue_s: float = 0.0,
                  loop_s: Optional[float] = None, heartbeats: bool = True, ahead: bool = False,
-                 deliver: str = "stream", publish: Optional[str] = None, **kw) -> None:
+                 deliver: str = "stream", publish: Optional[str] = None, cap_share: float = CAP_SHARE,
+                 **kw) -> None:
         super().__init__(cl, nbytes, num_chunks, **kw)
+        self.cap_share = cap_share  # ``ShardReader.CAP_SHARE`` (0: the poll before it)
         #: The publisher's registration (a :data:`COORD_MS` call) that completes the version
         #: at t=0, before anything else the coordinator serves; None: not charged.
         self.publish = publish
@@ -945,12 +937,20 @@ class MapSim(Sim):
                 r.need.remove(ch)
                 r.needset.discard(ch)
                 spill = None
-                if not r.inflight and r.landed_at is None:
+                if r.landed_at is None:
                     r.landed_at = now
                 r.inflight[ch] = s
                 self._add_flow(r, s, ch)
                 busy[s] = busy.get(s, 0) + 1
                 progressed = True
+
+    def _busy_cap(self, r: MapReader) -> float:
+        """``ShardReader._busy_cap``: the loop's longest sleep while reads are in flight."""
+        return busy_cap(r.gap_s, POLL, self.cap_share)
+
+    def _map_gap(self, r: MapReader) -> float:
+        """Least seconds between two reads of one source's chunk map (``PipelinedReader._maps``)."""
+        return STATUS_INTERVAL if r.plan is None else min(PLAN_STATUS_INTERVAL, self._busy_cap(r))
 
     def _intake(self, r: MapReader) -> None:
         """Take in the chunk maps whose reads completed (``PipelinedReader._take_maps``)."""
@@ -1012,7 +1012,7 @@ class MapSim(Sim):
             s = int(c.worker_id)
             if c.chunks is None or s in r.map_pending or busy.get(s, 0) >= self.depth:
                 continue
-            if s in r.avail and now - r.map_last.get(s, 0.0) < r.map_gap():
+            if s in r.avail and now - r.map_last.get(s, 0.0) < self._map_gap(r):
                 continue
             r.map_pending[s] = float("inf")  # (sent at the end of the step: :meth:`_send_maps`)
             r.map_last[s] = now
@@ -1072,13 +1072,12 @@ class MapSim(Sim):
                     if r.inflight.pop(ch, None) is not None:
                         busy[s] -= 1
                 if r.landed_at is not None:
-                    gap = (now - r.landed_at) / len(done)
-                    r.gap_s = gap if r.gap_s is None else r.gap_s + GAP_EWMA * (gap - r.gap_s)
+                    r.gap_s = next_gap(r.gap_s, now - r.landed_at, len(done))
                     r.landed_at = now
-                if not r.inflight:
-                    r.landed_at = None
                 r.last_progress, r.dirty = now, True
                 cpu += len(done) * self.per_chunk  # verified and marked one by one, on the loop's thread
+            if not r.inflight:
+                r.landed_at = None  # (as ``ShardReader._landed``: an idle spell is no gap)
             if done or len(r.marked_coming) != len(r.inflight):  # tick: READY for what completed,
                 # COMING for what it receives (once the loop got through them)
                 if cpu > 0:
@@ -1099,7 +1098,7 @@ class MapSim(Sim):
         wake = now + cpu + r.sleep
         if r.plan is not None and r.map_pending:
             wake = min(wake, now + cpu + max(self.tick, POLL / 8))
-        r.sleep = min(r.sleep * 2, r.busy_cap() if r.inflight or r.plan is not None else IDLE_CAP)
+        r.sleep = min(r.sleep * 2, self._busy_cap(r) if r.inflight or r.plan is not None else IDLE_CAP)
         if r.plan_refresh:
             wake = min(wake, max(now + self.tick, r.plan_refresh))
         # (a speed-up only) turns that cannot change anything are skipped: the reader wakes at
@@ -1109,7 +1108,7 @@ class MapSim(Sim):
         t = self._next_event(r, now, busy)
         if t > wake + 1e-12:
             nap = max(self.tick, POLL / 8) if r.plan is not None and r.map_pending else 0.0
-            cap = r.busy_cap() if r.inflight or r.plan is not None else IDLE_CAP
+            cap = self._busy_cap(r) if r.inflight or r.plan is not None else IDLE_CAP
             parked = (wake, r.sleep, nap, cap)
             w, r.sleep = self._advance(parked, t)
             self._wake(r, w)
@@ -1132,7 +1131,7 @@ class MapSim(Sim):
             elif c.chunks is not None and busy.get(s, 0) < self.depth and r.need:
                 if s not in r.avail:
                     return now
-                t = min(t, r.map_last.get(s, 0.0) + r.map_gap())
+                t = min(t, r.map_last.get(s, 0.0) + self._map_gap(r))
         if r.plan_refresh:
             t = min(t, r.plan_refresh)
         if not r.inflight:  # a stall: claims dropped, a refresh
@@ -1349,7 +1348,8 @@ def make_sim(args: argparse.Namespace, cl: Cluster, nbytes: float, chunks: int, 
                   plans=getattr(args, "plans", True), coord=coordinator(args),
                   checksum_bps=checksum_rate(args, cpu_memory), queue_s=queue_s, ahead=getattr(args, "ahead", False),
                   deliver=getattr(args, "ahead_deliver", "stream"),
-                  publish=None if getattr(args, "publish", "none") == "none" else f"publish_{args.publish}", **kw)
+                  publish=None if getattr(args, "publish", "none") == "none" else f"publish_{args.publish}",
+                  cap_share=getattr(args, "cap_share", CAP_SHARE), **kw)
 
 
 def workload(name: str, args: argparse.Namespace, dcs: int, nodes: Optional[int] = None,
@@ -1817,7 +1817,6 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="simulations run at once")
     ap.add_argument("--json", default="out/simulate.json")
     args = ap.parse_args()
-    globals()["CAP_SHARE"] = args.cap_share  # (read by MapReader.busy_cap; forked jobs inherit it)
     t_start = time.monotonic()
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
     if args.measure_cpu:

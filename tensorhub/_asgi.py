@@ -27,7 +27,7 @@ from ._coordinator import NOT_LEADER, Coordinator, before_disk_wait
 from ._wire import Heartbeat, MAX_BODY_BYTES, AcquireLease, FetchReport, RegisterReplica, manifest_json
 
 
-logger = logging.getLogger("tensorhub.coordinator")
+logger = logging.getLogger("tensorhub.coordinator")  # (its records as before the split)
 
 
 def _not_leader(coord: "Coordinator", scope: Any) -> JSONResponse:

@@ -79,6 +79,34 @@ class _Inflight:
     digest: Optional[int] = None
 
 
+#: While reads are in flight the loop sleeps at most this share of the time between two
+#: chunks landing (:func:`busy_cap`); the weight of the newest gap in that time (:func:`next_gap`).
+CAP_SHARE = 0.25
+GAP_EWMA = 0.25
+
+
+def next_gap(gap_s: Optional[float], seconds: float, landed: int, weight: float = GAP_EWMA) -> float:
+    """The smoothed time between two chunks landing, after ``landed`` chunks were seen
+    ``seconds`` after the last landing (or the first submit of a busy spell)."""
+    sample = seconds / landed
+    return sample if gap_s is None else gap_s + weight * (sample - gap_s)
+
+
+def busy_cap(gap_s: Optional[float], poll_interval: float, share: float = CAP_SHARE) -> float:
+    """The read loop's longest sleep while reads are in flight: ``poll_interval``, or
+    ``share`` of the time between two chunks landing once that was measured, if that is
+    shorter (not under ``poll_interval / 8``; ``share`` 0: always ``poll_interval``). A
+    landed chunk is seen at most that late. At 400 Gbit/s a 64 MiB chunk lands every ~1.3 ms
+    however many share the NIC, and a sleep of up to 2 ms after it landed cost every hop of
+    a plan's tree up to 2 ms more (``benchmarks/simulate.py``, which calls this); where
+    chunks land further apart (slower links, fewer sources) the loop polls no more often than
+    before, so its polls per chunk stay bounded. The gap measured includes the loop's own
+    lateness: it converges from above."""
+    if gap_s is None or share <= 0:
+        return poll_interval
+    return min(poll_interval, max(poll_interval / 8, gap_s * share))
+
+
 class ShardReader:
     """Reads one shard into local memory; one instance per fetch attempt."""
 
@@ -289,20 +317,20 @@ class ShardReader:
                         fail(src, str(e))
                         break
                     nb = self.chunk_bytes(c)
-                    if not inflight and self._landed_at is None:
+                    if self._landed_at is None:
                         self._landed_at = now  # a busy spell starts: the first gap runs from here
                     inflight[h] = _Inflight(c, src, now, now + self.progress_timeout + nb / self.min_rate)
                     self._submitted(c)
                     busy[src.replica_id] += 1
                     progressed = True
             self._refresh(need, sources, failed, get_sources, busy, now)
-            done_any = 0
+            landed = 0
             for h in list(inflight):
                 f = inflight[h]
                 st = self._poll_one(inflight, h, fail)
                 if st == PENDING:
                     continue
-                done_any += 1
+                landed += 1
                 self._last_progress = time.monotonic()
                 self._ended(f.chunk)
                 if st == DONE and not f.abandoned:
@@ -315,9 +343,9 @@ class ShardReader:
                     if st != DONE:
                         fail(f.source, f"read failed with code {st}")
                     need.appendleft(f.chunk)
-            self._landed(done_any, bool(inflight))
+            self._landed(landed, bool(inflight), self._last_progress)
             on_tick()
-            if done_any:
+            if landed:
                 sleep = self.poll_interval / 8
             elif inflight or need:
                 time.sleep(self._nap(sleep))
@@ -331,36 +359,22 @@ class ShardReader:
             f"fetch deadline passed with {len(need) + len(inflight)} of {len(self.chunks)} chunks "
             f"unread" + (f"; batches from {sorted(set(stuck))} never ended" if stuck else ""))
 
-    #: While reads are in flight the loop sleeps at most this share of the time between two
-    #: chunks landing (``_busy_cap``); the weight of the newest gap in that time.
-    CAP_SHARE = 0.25
-    GAP_EWMA = 0.25
+    CAP_SHARE = CAP_SHARE
+    GAP_EWMA = GAP_EWMA
 
-    def _landed(self, n: int, busy: bool) -> None:
-        """``n`` batches ended in this turn; ``busy``: reads still in flight after it."""
+    def _landed(self, n: int, busy: bool, now: float) -> None:
+        """``n`` batches ended in this turn, the last seen at ``now``; ``busy``: reads
+        still in flight after it."""
         if n and self._landed_at is not None:
-            now = self._last_progress
-            gap = (now - self._landed_at) / n
-            g = self._gap_s
-            self._gap_s = gap if g is None else g + self.GAP_EWMA * (gap - g)
+            self._gap_s = next_gap(self._gap_s, now - self._landed_at, n, self.GAP_EWMA)
             self._landed_at = now
         if not busy:
             self._landed_at = None  # an idle spell (waiting for sources) is no gap
 
     @property
     def _busy_cap(self) -> float:
-        """The longest sleep while reads are in flight: ``poll_interval``, or a quarter of
-        the time between two chunks landing once that was measured, if that is shorter (not
-        under ``poll_interval / 8``). A landed chunk is seen at most that late. At 400 Gbit/s
-        a 64 MiB chunk lands every ~1.3 ms however many share the NIC, and a sleep of up to
-        2 ms after it landed cost every hop of a plan's tree up to 2 ms more
-        (``benchmarks/simulate.py``); where chunks land further apart (slower links, fewer
-        sources) the loop polls no more often than before, so its polls per chunk stay
-        bounded. The gap measured includes the loop's own lateness: it converges from above."""
-        g = self._gap_s
-        if g is None:
-            return self.poll_interval
-        return min(self.poll_interval, max(self.poll_interval / 8, g * self.CAP_SHARE))
+        """The longest sleep while reads are in flight (:func:`busy_cap`)."""
+        return busy_cap(self._gap_s, self.poll_interval, self.CAP_SHARE)
 
     # Policy hooks of a plain read: chunks in order, any source for any chunk, new sources
     # (a new lease) only when none is left.

@@ -90,9 +90,9 @@ def test_chunks_landing_far_apart_keep_the_sleep_at_poll_interval():
 def test_an_idle_spell_is_no_gap_and_the_cap_has_a_floor():
     r = ShardReader(_TimedReads(0.001), [8], [1 << 30], chunk_bytes=8)  # type: ignore[arg-type]
     assert r._gap_s is None and r._busy_cap == r.poll_interval
-    r._landed_at, r._last_progress = 10.0, 10.0001
-    r._landed(1, busy=False)  # instant reads (memory): never under poll_interval / 8
+    r._landed_at = 10.0
+    r._landed(1, busy=False, now=10.0001)  # instant reads (memory): never under poll_interval / 8
     assert r._gap_s == pytest.approx(0.0001) and r._busy_cap == r.poll_interval / 8
     assert r._landed_at is None  # nothing in flight: the wait until the next submit is not a gap
-    r._landed(0, busy=False)
+    r._landed(0, busy=False, now=10.0002)
     assert r._gap_s == pytest.approx(0.0001)
