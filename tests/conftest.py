@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,27 @@ from tensorhub.testing import CoordinatorProcess, InMemoryTransport, Worker
 # Mooncake's glog chatter goes to stderr of every process; keep test output readable.
 os.environ.setdefault("GLOG_minloglevel", "2")
 os.environ.setdefault("TENSORHUB_HEARTBEAT_INTERVAL", "0.5")
+
+# Test files that build network namespaces: they list the host's namespaces to check that
+# nothing is left behind, so they run one after another on one worker.
+_NETNS_FILES = {"test_bench_fetch_remote.py", "test_control_plane_faults.py", "test_examples.py",
+                "test_reliability.py", "test_testbed.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """scripts/test.sh runs the suite on pytest-xdist workers with ``--dist loadfile``: a test
+    file runs on one worker (its module fixtures, engines among them, start once), and the
+    network-namespace files run one after another on one worker."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByFile(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "netns" if Path(path).name in _NETNS_FILES else path
+
+    return ByFile(config, log)
 
 
 @pytest.fixture
