@@ -667,7 +667,7 @@ async def _drive_fleet(url: str, pid: int, *, workers: int, readers: int, tensor
                        runs: bool = True, beat_procs: int = 1) -> dict:
     from tensorhub._addresses import encode
     from tensorhub._grid import grid_chunk_bytes
-    from tensorhub._wire import Manifest, manifest_digest
+    from tensorhub.protocol import Manifest, manifest_digest
 
     fl = _Fleet(url, pid, connections, seed)
     fl.protocol = protocol
@@ -897,7 +897,7 @@ async def _drive_burst(url: str, pid: int, *, mode: str, readers: int, tensors: 
                        wait: float, seed: int) -> dict:
     from tensorhub._addresses import encode
     from tensorhub._grid import grid_chunk_bytes
-    from tensorhub._wire import Manifest, manifest_digest, shape_digest
+    from tensorhub.protocol import Manifest, manifest_digest, shape_digest
 
     fl = _Fleet(url, pid, readers + 32, seed)
     model = "policy"

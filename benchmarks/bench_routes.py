@@ -88,7 +88,7 @@ async def _drive(url: str, pid: int, readers: int, tensors: int, chunks: int, be
                  runs: bool = False) -> list[tuple[str, dict]]:
     from tensorhub._addresses import encode
     from tensorhub._grid import grid_chunk_bytes
-    from tensorhub._wire import Manifest, manifest_digest, shape_digest
+    from tensorhub.protocol import Manifest, manifest_digest, shape_digest
 
     pool = _Pool(url, 8, headers={"Accept-Encoding": "gzip, deflate"})
     enc = lambda d: json.dumps(d).encode()  # noqa: E731
@@ -247,7 +247,8 @@ def _ahead_round(readers: int, man: dict, chunks: int) -> dict:
     from tensorhub._manifest_cache import LeaseAnswers
     from tensorhub._state import CoordinatorState, StateConfig
     from tensorhub._ahead import warm
-    from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica, ServeOffer, manifest_json, shape_digest
+    from tensorhub.protocol import (AcquireLease, Locality, Manifest, RegisterReplica, ServeOffer, manifest_json,
+                                    shape_digest)
 
     st = CoordinatorState(StateConfig(lease_ttl=600.0, worker_ttl=600.0), now=0.0)
     manifest = Manifest.model_validate(man)

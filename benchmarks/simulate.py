@@ -127,7 +127,7 @@ from tensorhub._stripes import (  # noqa: E402 - the plans it grants
     MIN_CHUNKS, NONE, STRIPES, WAN, WINDOW, Plan, plan_root, relayed, wan_root, wan_stripes,
 )
 from tensorhub._reader import CAP_SHARE, busy_cap, next_gap  # noqa: E402 - the read loop's poll
-from tensorhub._wire import Locality  # noqa: E402
+from tensorhub.protocol import Locality  # noqa: E402
 
 GB = 1e9
 GiB = 1 << 30

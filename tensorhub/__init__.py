@@ -33,7 +33,7 @@ from ._exceptions import (
     UnauthorizedError,
 )
 from ._metrics import FetchProgress, start_metrics_server
-from ._wire import Locality, VersionMeta
+from .protocol import Locality, VersionMeta
 from .config import HubConfig
 from ._sliced import Slice
 from .hub import Borrowed, Fetched, Hub, connect

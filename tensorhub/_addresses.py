@@ -29,7 +29,7 @@ import numpy as np
 
 from ._exceptions import InvalidRequestError
 from ._kept import KeptBy
-from ._wire import AddressRuns, LeaseGrant, Manifest
+from .protocol import AddressRuns, LeaseGrant, Manifest
 
 __all__ = ["ALIGNS", "encode", "expand", "check", "checked", "invalid", "stored", "answer", "expand_grant", "same_tensors"]
 

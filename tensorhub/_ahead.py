@@ -45,7 +45,7 @@ from typing import Any, Optional, Union
 from ._exceptions import ConflictError, CoordinatorError, InvalidRequestError, NotFoundError
 from ._registry import ShardKey
 from ._grants import grid_of
-from ._wire import AcquireLease, LeaseGrant, Manifest, VersionSums, shape_digest
+from .protocol import AcquireLease, LeaseGrant, Manifest, VersionSums, shape_digest
 
 __all__ = ["GRACE", "MAX_PENDING", "Bound", "Sub", "Subscriptions", "subscribe", "bind", "grant", "warm"]
 

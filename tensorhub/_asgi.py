@@ -24,7 +24,7 @@ from ._exceptions import (
 )
 from ._ahead import warm
 from ._coordinator import NOT_LEADER, Coordinator, before_disk_wait
-from ._wire import Heartbeat, MAX_BODY_BYTES, AcquireLease, FetchReport, RegisterReplica, manifest_json
+from .protocol import Heartbeat, MAX_BODY_BYTES, AcquireLease, FetchReport, RegisterReplica, manifest_json
 
 
 logger = logging.getLogger("tensorhub.coordinator")  # (its records as before the split)

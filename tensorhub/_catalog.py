@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 
 from ._exceptions import ConflictError, ManifestMismatchError, NotFoundError
 from ._slices import check_register
-from ._wire import Manifest, RegisterReplica, first_difference, is_delta_layout
+from .protocol import Manifest, RegisterReplica, first_difference, is_delta_layout
 
 __all__ = ["Catalog", "ModelInfo", "VersionInfo", "LayoutInfo", "Write", "ALLOCATIONS_KEPT"]
 

@@ -1,5 +1,5 @@
 """HTTP client of the coordinator API: one method per route, answers as models of
-``_wire``, errors mapped to our tree. The only place (with the server,
+``tensorhub.protocol``, errors mapped to our tree. The only place (with the server,
 ``coordinator.py``) that spells a ``/v1/`` path.
 
 Connection failures and 5xx answers are retried with backoff for up to ``retry_timeout``
@@ -38,10 +38,8 @@ from ._exceptions import (
     UnauthorizedError,
 )
 
-from ._wire import (
-    ChunksHeld, HeartbeatAnswer, LeaseGrant, Manifest, Released, Renewed, ReplicaRegistered, Unpublished,
-    VersionAnswer, VersionView, WorkerRegistered, WorkerRemoved,
-)
+from .protocol import (ChunksHeld, HeartbeatAnswer, LeaseGrant, Manifest, Released, Renewed, ReplicaRegistered,
+                       Unpublished, VersionAnswer, VersionView, WorkerRegistered, WorkerRemoved)
 
 __all__ = ["CoordinatorClient"]
 

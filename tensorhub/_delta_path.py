@@ -18,7 +18,7 @@ Who calls what:
   must be exactly b: names, dtypes, shapes, checksums); then the version number is
   allocated, :func:`publish_delta` encodes and registers the delta layout of v, and only
   then the full layout is published. A delta layout never completes a version
-  (``_wire.is_delta_layout``, ``_catalog.VersionInfo.complete``), so the full layout is what
+  (``protocol.is_delta_layout``, ``_catalog.VersionInfo.complete``), so the full layout is what
   completes v: whoever is woken by v's completion (``wait_for_version``, an engine's
   prefetcher) finds its delta already registered. If the delta cannot be published (an
   error, or too big to be worth it) the full version is published all the same.
@@ -63,7 +63,7 @@ from ._holdings import Held, Holdings, unregister_regions
 from ._metrics import Track
 from ._session import Session
 from ._tensors import allocate_like, check_into, coalesce, dtype_name, manifest_of
-from ._wire import LeaseGrant, Manifest, VersionMeta, delta_layout, is_delta_layout
+from .protocol import LeaseGrant, Manifest, VersionMeta, delta_layout, is_delta_layout
 
 __all__ = ["HEADER", "DeltaRead", "check_base", "check_fetch_base", "delta_layout", "fetch_through_delta", "plan", "publish_delta"]
 
@@ -236,7 +236,7 @@ def encode_tensors(tensors: Mapping[str, Any], base: BaseCopy, *, model: str, ve
         "base_checksums": base_sums, "checksums": _sums(new),
         "tensors": [[n, dtype_name(t.dtype), list(t.shape)] for n, t in zip(names, new)],
     }).encode()
-    from ._wire import TensorSpec
+    from .protocol import TensorSpec
 
     specs = [TensorSpec(name=HEADER, dtype="uint8", shape=(len(header),), nbytes=len(header))]
     specs += [TensorSpec(name=n, dtype="uint8", shape=(len(b),), nbytes=len(b)) for n, b in zip(names, blobs)]

@@ -45,7 +45,7 @@ from ._reader import ShardReader, Source
 from ._retry import jittered, next_delay
 from ._session import Session
 from ._tensors import allocate_like, check_into, coalesce
-from ._wire import LeaseGrant, Manifest, shape_digest
+from .protocol import LeaseGrant, Manifest, shape_digest
 
 __all__ = ["AHEAD_POLL", "Ahead", "NoNewVersion", "Reshaped", "Fetch", "FetchOptions", "Fetched", "PlainSources", "PipelinedSources", "QUARANTINE",
            "acquire_lease", "release_lease", "release_checked", "select"]

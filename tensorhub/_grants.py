@@ -32,7 +32,7 @@ from ._planner import (
 from ._registry import Lease, Replica, ShardKey, Worker
 from ._slices import SLICED
 from ._stripes import HOSTS_IN_PLANS, MIN_CHUNKS, NONE, STRIPES, WAN, Plan, plan_root, relayed, wan_root, wan_stripes
-from ._wire import AcquireLease, LeaseGrant, Manifest, RegisterReplica, ReplicaInfo
+from .protocol import AcquireLease, LeaseGrant, Manifest, RegisterReplica, ReplicaInfo
 
 __all__ = ["Grants", "KEPT", "grid_of", "keep_grid"]
 

@@ -19,7 +19,7 @@ from ._holdings import Held, Holdings, register_regions, unregister_regions
 from ._retry import jittered, next_delay
 from ._session import Session
 from ._tensors import allocate_like, coalesce, manifest_of
-from ._wire import VersionMeta
+from .protocol import VersionMeta
 
 __all__ = ["publish", "unpublish"]
 

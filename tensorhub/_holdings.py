@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 from ._exceptions import ConfigError, TensorHubError
 from ._fencing import Quarantine
 from ._metrics import hub_metrics
-from ._wire import Manifest
+from .protocol import Manifest
 from .transport import Transport
 
 __all__ = ["Held", "Holdings", "Key", "register_regions", "unregister_regions"]

@@ -4,7 +4,7 @@ published, and how an adapter's base is named.
 An adapter version is an ordinary version of its own model (e.g. ``policy-lora``): its
 tensors are the PEFT checkpoint's (``...q_proj.lora_A.weight``, ``...q_proj.lora_B.weight``),
 served, checksummed and delta-encoded like any version's; its manifest carries a
-:class:`~tensorhub._wire.VersionMeta` with ``kind="lora"``, the base model it adapts and
+:class:`~tensorhub.protocol.VersionMeta` with ``kind="lora"``, the base model it adapts and
 the PEFT config. Pure functions: no I/O, torch only through the tensors' attributes.
 """
 
@@ -14,14 +14,13 @@ import re
 from typing import Any, Mapping, Optional
 
 from ._exceptions import ConfigError
-from ._wire import VersionMeta
+from .protocol import VersionMeta, parse_base
 
 __all__ = ["version_meta", "parse_base", "module_of"]
 
 #: ``<module>.lora_A.weight`` / ``lora_B`` (PEFT may put the adapter's name before
 #: ``.weight``: ``lora_A.default.weight``) and the embedding forms.
 _NAME = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(\.[^.]+)?(\.weight)?$")
-_BASE = re.compile(r"^(?P<name>.+?)(@v(?P<version>[0-9]+))?$")
 
 
 def module_of(name: str) -> Optional[tuple[str, str]]:
@@ -29,14 +28,6 @@ def module_of(name: str) -> Optional[tuple[str, str]]:
     ``lora_embedding_A``, ``lora_embedding_B``); None for any other name."""
     m = _NAME.match(name)
     return (m["module"], m["part"]) if m else None
-
-
-def parse_base(base: str) -> tuple[str, Optional[int]]:
-    """``"policy"`` -> ``("policy", None)``; ``"policy@v3"`` -> ``("policy", 3)``."""
-    m = _BASE.match(base)
-    if m is None:
-        raise ConfigError(f"base_model {base!r}: expected '<model>' or '<model>@v<N>'")
-    return m["name"], None if m["version"] is None else int(m["version"])
 
 
 def version_meta(kind: str, base_model: Optional[str], config: Optional[Mapping[str, Any]],

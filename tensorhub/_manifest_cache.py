@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-from ._wire import Manifest, VersionSums, manifest_json
+from .protocol import Manifest, VersionSums, manifest_json
 
 __all__ = ["ManifestCache", "Encoded", "LeaseAnswers", "CACHE_BYTES", "GZIP_OVER", "ADDRESSES_BYTES"]
 

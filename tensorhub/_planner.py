@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 from ._grid import grid_chunk_bytes  # noqa: F401 (also imported from here)
-from ._wire import Locality
+from .protocol import Locality
 
 __all__ = [
     "COST_HOST", "COST_ZONE", "COST_DC", "COST_REMOTE", "POLICIES",

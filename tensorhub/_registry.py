@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, NamedTuple, Optional
 
-from ._wire import AddressRuns, Locality
+from .protocol import AddressRuns, Locality
 
 __all__ = ["ShardKey", "Worker", "Replica", "Lease", "Registry"]
 
@@ -86,7 +86,7 @@ class Lease:
     start: float = 0.0
     reverse: bool = False
     reserved: frozenset = frozenset()
-    #: The key of the proofs a same-host reader shows holders (``_wire.lease_proof``),
+    #: The key of the proofs a same-host reader shows holders (``protocol.lease_proof``),
     #: random per lease, answered (hex) only to the reader: ``lease_covers`` checks them.
     secret: bytes = b""
 

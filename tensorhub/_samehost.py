@@ -4,7 +4,7 @@ Called by the Session when it creates its transport (holder and reader alike): w
 data plane in a :class:`~tensorhub.transport._shm.SameHostTransport` whose fd server
 answers only a reader that (1) runs as our uid or root (``SO_PEERCRED``, checked by the
 transport) and (2) holds a lease, valid now by the coordinator's word, that names the
-replica it asks for, and proves it: the proof (``_wire.lease_proof``, keyed by the lease's
+replica it asks for, and proves it: the proof (``protocol.lease_proof``, keyed by the lease's
 secret) is checked by the coordinator, not here -- the holder never learns the secret, and
 no API token crosses the socket. The answer then covers exactly that replica's memory
 (for CUDA tensors: IPC handles of the blocks behind them, clipped to its regions).

@@ -27,7 +27,8 @@ from ._exceptions import ConflictError, FetchError, HubClosedError, NotFoundErro
 from ._holdings import Held, Holdings, unregister_regions
 from ._kept import KeptBy
 from ._metrics import FetchProgress, Outbox, hub_metrics
-from ._wire import HeartbeatAnswer, LeaseGrant, Manifest, ManifestLike, ReplicaRegistered, manifest_digest, shape_digest
+from .protocol import (HeartbeatAnswer, LeaseGrant, Manifest, ManifestLike, ReplicaRegistered, manifest_digest,
+                       shape_digest)
 from .transport import Transport, create_transport
 
 if TYPE_CHECKING:  # pragma: no cover

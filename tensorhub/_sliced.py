@@ -49,7 +49,8 @@ from ._reader import ReadStats, ShardReader, Source
 from ._session import Session
 from ._slices import SLICED, Box, Run, box_of, full_specs, plan, range_box
 from ._tensors import allocate_like, check_into, coalesce, manifest_of
-from ._wire import _ID_RE, Manifest, SliceSpec, TensorSpec
+from .protocol import Manifest, SliceSpec, TensorSpec
+from .protocol.base import _ID_RE
 
 __all__ = ["Slice", "is_sliced", "publish", "fetch", "full_manifest", "SLICED"]
 

@@ -3,7 +3,7 @@
 A trainer whose ranks each hold part of every tensor (FSDP2 ``DTensor`` shards, or any
 per-rank slices) publishes without a gather: rank ``r`` of ``n`` registers its own slices
 in place as shard ``r`` of the layout :data:`SLICED`. Each tensor of such a shard's
-manifest carries a :class:`~tensorhub._wire.SliceSpec` (the full tensor's shape and the
+manifest carries a :class:`~tensorhub.protocol.SliceSpec` (the full tensor's shape and the
 slice's offsets in it); the slice's bytes are the shard's own, contiguous, in row-major
 order of the slice.
 
@@ -28,12 +28,9 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 from ._exceptions import ConfigError, ManifestMismatchError
-from ._wire import DTYPE_SIZES, Manifest, TensorSpec
+from .protocol import DTYPE_SIZES, SLICED, Manifest, TensorSpec
 
 __all__ = ["SLICED", "Box", "Run", "check_register", "full_specs", "plan", "box_of", "range_box"]
-
-#: The layout a sliced publish registers its shards under (the ``hf`` tensors, cut by rank).
-SLICED = "hf.slices"
 
 #: A box in a tensor: (start, stop) per dimension.
 Box = tuple[tuple[int, int], ...]

@@ -74,20 +74,8 @@ from ._planner import locality_cost
 from ._registry import Lease, Registry, Replica, ShardKey, Worker
 from ._stripes import Plan
 from ._views import FETCH_STALE, metrics_view, record_fetch, status_view
-from ._wire import (
-    AcquireLease,
-    FetchReport,
-    LeaseGrant,
-    Locality,
-    Manifest,
-    RegisterReplica,
-    SwapReport,
-    is_delta_layout,
-    keep_like,
-    lease_proof,
-    manifest_digest,
-    shape_digest,
-)
+from .protocol import (AcquireLease, FetchReport, LeaseGrant, Locality, Manifest, RegisterReplica, SwapReport,
+                       is_delta_layout, keep_like, lease_proof, manifest_digest, shape_digest)
 
 __all__ = ["StateConfig", "CoordinatorState", "Write", "ShardKey"]
 
@@ -630,7 +618,7 @@ class CoordinatorState(Grants):
                      endpoint: str = "") -> bool:
         """A holder asks before it hands a same-host reader its memory: is ``lease_id``
         valid now, ``worker_id``'s, does it name ``replica_id``, and is ``proof`` the
-        reader's ``_wire.lease_proof`` of it for the holder at ``endpoint`` (keyed by the
+        reader's ``protocol.lease_proof`` of it for the holder at ``endpoint`` (keyed by the
         lease's secret, which only its reader was answered)? Compared in constant time; no
         proof (an older holder or reader): not covered. (Reads nothing else.)"""
         now = self._now(now)

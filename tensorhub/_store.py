@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ._catalog import Write
-from ._wire import Manifest, manifest_json
+from .protocol import Manifest, manifest_json
 
 __all__ = ["SqliteStore"]
 

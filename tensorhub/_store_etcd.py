@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 from ._exceptions import ConfigError, TensorHubError
 from ._catalog import Write
-from ._wire import Manifest, manifest_json
+from .protocol import Manifest, manifest_json
 
 __all__ = ["EtcdStore", "EtcdEndpoints", "EtcdUnavailable", "Fenced", "parse_store_url"]
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from . import envs
 from ._checksum import compute
 from ._exceptions import ConfigError, TensorMismatchError
-from ._wire import DTYPE_SIZES, Manifest, TensorSpec
+from .protocol import DTYPE_SIZES, Manifest, TensorSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -24,7 +24,7 @@ from . import envs
 from ._checksum import check_mode
 from ._client import coordinator_urls
 from ._exceptions import ConfigError
-from ._wire import Locality
+from .protocol import Locality
 from .transport import MAX_ENTRY_BYTES
 
 __all__ = ["HubConfig", "coordinator_urls", "parse_locality", "read_token"]

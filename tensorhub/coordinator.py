@@ -42,28 +42,12 @@ from ._coordinator import NOT_LEADER, Coordinator, ha_coordinator
 from ._fleet import add_routes as add_fleet_routes
 from ._state import StateConfig
 from ._views import version_view
-from ._wire import (
-    Heartbeat,
-    MAX_BODY_BYTES,
-    MAX_NAME_LEN,
-    MAX_SHARDS,
-    MAX_VERSION,
-    AcquireLease,
-    AllocateVersion,
-    FetchReport,
-    LeaseCovers,
-    LeaseGrant,
-    Manifest,
-    RegisterReplica,
-    RegisterWorker,
-    Report,
-    ReportChunks,
-    Resolve,
-    SwapReport,
-    Unpublish,
-)
+from .protocol import (Heartbeat, MAX_BODY_BYTES, MAX_NAME_LEN, MAX_SHARDS, MAX_VERSION, AcquireLease,
+                       AllocateVersion, FetchReport, LeaseCovers, LeaseGrant, Manifest, RegisterReplica,
+                       RegisterWorker, Report, ReportChunks, Resolve, SwapReport, Unpublish)
 
-__all__ = ["Coordinator", "EmbeddedCoordinator", "create_app", "serve", "ha_coordinator"]
+__all__ = ["Coordinator", "EmbeddedCoordinator", "create_app", "serve", "ha_coordinator", "listen_socket",
+           "socket_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +304,9 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
     return app
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening, non-blocking TCP socket on ``host:port`` (port 0: a free one), for uvicorn
+    (``sockets=[...]``): bound before the server starts, so its URL is known at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -330,7 +316,8 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _url(host: str, sock: socket.socket, tls: bool) -> str:
+def socket_url(host: str, sock: socket.socket, tls: bool) -> str:
+    """The URL a server on ``sock`` (``listen_socket``) answers at."""
     port = sock.getsockname()[1]
     h = f"[{host}]" if ":" in host else host
     return f"{'https' if tls else 'http'}://{h}:{port}"
@@ -345,8 +332,8 @@ class _Server:
         import uvicorn
 
         self.coord = coord
-        self.sock = _bind(host, port) if sock is None else sock
-        self.url = _url(host, self.sock, ssl_certfile is not None)
+        self.sock = listen_socket(host, port) if sock is None else sock
+        self.url = socket_url(host, self.sock, ssl_certfile is not None)
         cfg = uvicorn.Config(
             create_app(coord, token, call_slots), log_level="warning", access_log=False,
             ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, timeout_keep_alive=30,
@@ -388,8 +375,8 @@ def serve(host: str, port: int, state_dir: Optional[str | os.PathLike], *, token
         coord = Coordinator(state_dir, config)
         srv = _Server(coord, host, port, token, ssl_certfile, ssl_keyfile, call_slots=call_slots)
     else:
-        sock = _bind(host, port)
-        url = advertise_url or _url(host, sock, ssl_certfile is not None)
+        sock = listen_socket(host, port)
+        url = advertise_url or socket_url(host, sock, ssl_certfile is not None)
         if advertise_url is None and host in ("0.0.0.0", "::", ""):
             raise ConfigError(f"listening on {host!r}: pass --advertise-url (the URL clients reach this one at)")
         coord = ha_coordinator(store, url, config, election_ttl=election_ttl, etcd_ca_file=etcd_ca_file,

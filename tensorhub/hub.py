@@ -46,7 +46,7 @@ from ._holdings import Holdings
 from ._metrics import FetchProgress, Track, hub_metrics
 from ._session import Session
 from .config import HubConfig, parse_locality
-from ._wire import DELTA_PREFIX, LeaseGrant, Locality, TensorSpec, VersionMeta, VersionView, is_delta_layout
+from .protocol import DELTA_PREFIX, LeaseGrant, Locality, TensorSpec, VersionMeta, VersionView, is_delta_layout
 from .transport import Transport
 
 __all__ = ["Hub", "Fetched", "connect", "parse_locality"]

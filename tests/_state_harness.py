@@ -62,7 +62,7 @@ from typing import Any, Optional
 
 from tensorhub import ConflictError, NotFoundError, RetentionError
 from tensorhub._state import CoordinatorState, StateConfig
-from tensorhub._wire import AcquireLease, LeaseGrant, Locality, Manifest, RegisterReplica, TensorSpec
+from tensorhub.protocol import AcquireLease, LeaseGrant, Locality, Manifest, RegisterReplica, TensorSpec
 
 MODEL = "m"
 MANIFEST = Manifest(tensors=[TensorSpec(name="w", dtype="float32", shape=(4,), nbytes=16)])

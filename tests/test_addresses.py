@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from tensorhub import _addresses
 from tensorhub._addresses import ALIGNS, check, encode, expand
-from tensorhub._wire import AddressRuns, LeaseGrant, Manifest, TensorSpec, manifest_digest
+from tensorhub.protocol import AddressRuns, LeaseGrant, Manifest, TensorSpec, manifest_digest
 from tensorhub.testing import Worker, digest, make_weights
 
 DTYPES = [("float32", 4), ("bfloat16", 2), ("int8", 1), ("float64", 8)]

@@ -16,7 +16,7 @@ N_CHUNKS = 64
 
 def _state(nreaders, hosts=None):
     from tensorhub._state import CoordinatorState, StateConfig
-    from tensorhub._wire import Locality, Manifest, RegisterReplica, TensorSpec
+    from tensorhub.protocol import Locality, Manifest, RegisterReplica, TensorSpec
 
     st = CoordinatorState(StateConfig(lease_ttl=30.0, worker_ttl=30.0), now=0.0)
     st.register_worker(0.0, "pub", "pub:1", Locality(datacenter="a", zone="z", host="hp"))
@@ -32,7 +32,7 @@ def _state(nreaders, hosts=None):
 
 def _ask(st, k, version, now, man, wait=30.0, request_id=None, digest=None):
     from tensorhub._planner import grid_chunk_bytes
-    from tensorhub._wire import AcquireLease, ServeOffer, shape_digest
+    from tensorhub.protocol import AcquireLease, ServeOffer, shape_digest
 
     serve = ServeOffer(manifest_digest=digest or shape_digest(man), addresses=[(k + 2) << 30],
                        chunk_bytes=grid_chunk_bytes(man.nbytes), num_chunks=N_CHUNKS,
@@ -45,7 +45,7 @@ def _ask(st, k, version, now, man, wait=30.0, request_id=None, digest=None):
 def _publish(st, now, man, checksums=None):
     """The publisher's next version (same tensors, other bytes: other checksums); returns
     (version, what the bind answered)."""
-    from tensorhub._wire import RegisterReplica
+    from tensorhub.protocol import RegisterReplica
 
     v = st.allocate_version(now, "m")
     m2 = man.model_copy(update={"checksum": "xxh3_64", "checksums": checksums or [v] * N_CHUNKS})
@@ -128,7 +128,7 @@ def test_a_version_already_published_is_answered_at_once():
 
 
 def test_bad_subscriptions_get_clear_errors():
-    from tensorhub._wire import AcquireLease
+    from tensorhub.protocol import AcquireLease
 
     st, v1, man = _state(1)
     with pytest.raises(InvalidRequestError, match="request_id"):
@@ -143,7 +143,7 @@ def test_bad_subscriptions_get_clear_errors():
 
 def test_a_subscriber_whose_layout_is_missing_gets_the_error_and_the_others_their_grants():
     from tensorhub._planner import grid_chunk_bytes
-    from tensorhub._wire import AcquireLease, ServeOffer, shape_digest
+    from tensorhub.protocol import AcquireLease, ServeOffer, shape_digest
 
     st, v1, man = _state(2)
     _ask(st, 0, v1 + 1, 0.0, man)
@@ -181,7 +181,7 @@ def test_plans_use_host_labels_only_where_a_same_host_path_covers_partial_replic
 
 def test_late_readers_after_the_bind_become_carriers_of_the_fixed_plan():
     from tensorhub._planner import grid_chunk_bytes
-    from tensorhub._wire import AcquireLease, Locality, ServeOffer, manifest_digest
+    from tensorhub.protocol import AcquireLease, Locality, ServeOffer, manifest_digest
 
     st, v1, man = _state(8)
     for k in range(8):
@@ -205,7 +205,7 @@ def test_a_bound_lease_is_answered_only_once_its_version_is_durable_and_never_if
     import time
 
     from tensorhub._state import StateConfig
-    from tensorhub._wire import Locality, RegisterReplica
+    from tensorhub.protocol import Locality, RegisterReplica
     from tensorhub.coordinator import Coordinator
 
     from _stores import SlowStore

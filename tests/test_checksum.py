@@ -18,7 +18,7 @@ from tensorhub import _checksum
 from tensorhub._checksum import compute, count, grid, verifier
 from tensorhub._planner import grid_chunk_bytes
 from tensorhub._tensors import manifest_of
-from tensorhub._wire import DTYPE_SIZES, Manifest, TensorSpec, first_difference
+from tensorhub.protocol import DTYPE_SIZES, Manifest, TensorSpec, first_difference
 from tensorhub.testing import InMemoryTransport, WorkerError, digest, make_weights
 
 MiB = 1 << 20

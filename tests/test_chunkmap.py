@@ -19,7 +19,7 @@ import torch
 
 from tensorhub._chunkmap import HEADER, READY, ChunkMap, map_bytes, parse
 from tensorhub._state import CoordinatorState, StateConfig
-from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec, manifest_digest
+from tensorhub.protocol import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec, manifest_digest
 
 MiB = 1 << 20
 

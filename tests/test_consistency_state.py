@@ -12,7 +12,7 @@ import pytest
 
 from tensorhub import ConflictError
 from tensorhub._state import CoordinatorState, StateConfig
-from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica
+from tensorhub.protocol import AcquireLease, Locality, Manifest, RegisterReplica
 
 LOC = Locality(datacenter="d", zone="z", host="h")
 MAN = Manifest.model_validate({"tensors": [{"name": "w", "dtype": "float32", "shape": [4], "nbytes": 16}]})

@@ -15,7 +15,7 @@ import torch
 from tensorhub import NotFoundError
 from tensorhub._state import CoordinatorState, StateConfig
 from tensorhub._store import SqliteStore
-from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
+from tensorhub.protocol import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
 from tensorhub.coordinator import Coordinator
 
 from _stores import SlowStore

@@ -378,12 +378,13 @@ def test_a_publish_with_subscribers_warms_its_manifest_on_the_parse_thread():
     (shape digest, chunk grid: ``_ahead.warm``) only for a model someone subscribed to."""
     import json
 
-    from tensorhub import _grants, _wire
+    from tensorhub import _grants
+    from tensorhub.protocol import manifest as wire_manifest
     from tensorhub._asgi import _parse_registration
 
     body = json.dumps(_big_registration(64)).encode()
     cold = _parse_registration(body, lambda model: False)
     hot = _parse_registration(body, lambda model: model == "m")
-    for kept in (_wire._shapes_kept, _grants._GRIDS):
+    for kept in (wire_manifest._shapes_kept, _grants._GRIDS):
         held = [v[0] for v in kept._kept.values()]
         assert any(x is hot.manifest for x in held) and not any(x is cold.manifest for x in held)

@@ -119,7 +119,7 @@ ROWS = [
 
 
 def _manifest_rows() -> list:
-    from tensorhub._wire import Manifest
+    from tensorhub.protocol import Manifest
 
     man = Manifest.model_validate({"tensors": [{"name": "w", "dtype": "float32", "shape": [2, 3], "nbytes": 24}]})
     return [("manifest", ("m", 1, "hf", 0), man), ("manifest", ("m", 1, "hf", 1), man)]
@@ -176,7 +176,7 @@ def test_store_contract_round_trips_the_same_rows(store):
 def test_store_contract_retire_drops_a_versions_rows(store):
     """Retention's ``retire``: the version's version, layout and manifest rows go (only
     that version's: v1 must not take v10's), the counter and other versions stay."""
-    from tensorhub._wire import Manifest
+    from tensorhub.protocol import Manifest
 
     man = Manifest.model_validate({"tensors": [{"name": "w", "dtype": "float32", "shape": [1], "nbytes": 4}]})
     rows = [("model", ("m",), 10)]

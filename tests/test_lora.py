@@ -15,7 +15,7 @@ import torch
 import tensorhub
 from tensorhub import VersionMeta, _lora
 from tensorhub._exceptions import ConfigError
-from tensorhub._wire import MAX_META_BYTES, Manifest, TensorSpec, first_difference, manifest_json
+from tensorhub.protocol import MAX_META_BYTES, Manifest, TensorSpec, first_difference, manifest_json
 
 CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA", "bias": "none"}
 

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from tensorhub._manifest_cache import GZIP_OVER, ManifestCache, encode
-from tensorhub._wire import Manifest, SliceSpec, TensorSpec
+from tensorhub.protocol import Manifest, SliceSpec, TensorSpec
 from tensorhub.testing import CoordinatorProcess
 
 
@@ -129,7 +129,7 @@ def test_lease_answers_equal_the_grants_own_json_byte_for_byte():
     grant's JSON: the bytes equal ``grant.model_dump_json()`` (strings that look like the
     splice point included), and a replica whose address list changed is encoded again."""
     from tensorhub._manifest_cache import LeaseAnswers
-    from tensorhub._wire import LeaseGrant, Locality, ReplicaInfo
+    from tensorhub.protocol import LeaseGrant, Locality, ReplicaInfo
 
     def rep(i: int, n: int, addresses=None) -> ReplicaInfo:
         return ReplicaInfo(replica_id=f"r-{i}", worker_id=f'w"{i}', endpoint="127.0.0.1:1",
@@ -159,7 +159,7 @@ def test_lease_answers_encode_a_versions_sums_once_and_splice_them_byte_for_byte
     import random
 
     from tensorhub._manifest_cache import SUMS_KEPT, LeaseAnswers, _SUMS_STUB_JSON
-    from tensorhub._wire import LeaseGrant, Locality, ReplicaInfo, VersionMeta, VersionSums
+    from tensorhub.protocol import LeaseGrant, Locality, ReplicaInfo, VersionMeta, VersionSums
 
     rng = random.Random(7)
     answers = LeaseAnswers()
@@ -204,7 +204,8 @@ def test_a_large_manifests_json_made_in_pieces_is_its_json_byte_for_byte(n, extr
     import random
 
     from tensorhub._checksum import count
-    from tensorhub._wire import DTYPE_SIZES, _pieced_json, manifest_digest, manifest_json
+    from tensorhub.protocol import DTYPE_SIZES, manifest_digest, manifest_json
+    from tensorhub.protocol.manifest import _pieced_json
 
     rng = random.Random(n)
     tensors, slices = [], []

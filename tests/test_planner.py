@@ -12,7 +12,7 @@ from tensorhub._planner import (
     Candidate, choose_sources, chunk_order, grid_chunk_bytes, locality_cost, pick_chunk, start_fraction,
 )
 from tensorhub._state import CoordinatorState, StateConfig
-from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
+from tensorhub.protocol import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
 
 MiB = 1 << 20
 # These tests jump time without the shell's once-a-second expiry ticks; pause grace (its

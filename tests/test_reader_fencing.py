@@ -23,7 +23,7 @@ import pytest
 
 from tensorhub import ConflictError
 from tensorhub._state import CoordinatorState, StateConfig
-from tensorhub._wire import AcquireLease, Locality
+from tensorhub.protocol import AcquireLease, Locality
 
 # The same world as the holder-side scenarios (synthetic clock, the shell's expiry ticks).
 from test_consistency_state import reg, tick  # noqa: E402

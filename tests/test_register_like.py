@@ -12,9 +12,8 @@ import pytest
 from tensorhub._exceptions import ConflictError, InvalidRequestError
 from tensorhub._grants import grid_of
 from tensorhub._state import CoordinatorState, StateConfig
-from tensorhub._wire import (
-    Locality, Manifest, ManifestLike, RegisterReplica, manifest_digest, manifest_json, shape_digest,
-)
+from tensorhub.protocol import (Locality, Manifest, ManifestLike, RegisterReplica, manifest_digest, manifest_json,
+                                shape_digest)
 from tensorhub.testing import digest, make_weights
 
 

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tensorhub._wire import lease_proof
+from tensorhub.protocol import lease_proof
 from tensorhub.testing import CoordinatorProcess, WorkerError, digest, make_weights
 from tensorhub.testing._workers import MODEL
 from tensorhub.transport._shm import host_identity, socket_name

@@ -3,7 +3,7 @@
 * both ends check the other's uid (``SO_PEERCRED``: ours or root) before anything is sent
   or read: a local user of another uid who binds a holder's socket name first gets nothing,
   and the holder refuses to start, naming that process and ``TENSORHUB_SAMEHOST=0``;
-* the reader proves its lease with the lease's secret (``_wire.lease_proof``); the API
+* the reader proves its lease with the lease's secret (``protocol.lease_proof``); the API
   token never crosses the socket, and the coordinator checks the proof;
 * only sources on the reader's own host (locality label) are asked;
 * the fd server's threads do not grow with connections.
@@ -28,7 +28,7 @@ import tensorhub
 from tensorhub import TransferError
 from tensorhub._reader import Source
 from tensorhub._state import CoordinatorState, StateConfig
-from tensorhub._wire import AcquireLease, LeaseGrant, Locality, Manifest, RegisterReplica, TensorSpec, lease_proof
+from tensorhub.protocol import AcquireLease, LeaseGrant, Locality, Manifest, RegisterReplica, TensorSpec, lease_proof
 from tensorhub.testing import InMemoryTransport
 from tensorhub.transport import DONE, PENDING, ReadOp
 from tensorhub.transport import _shm

@@ -18,7 +18,7 @@ import tensorhub
 from tensorhub import Slice
 from tensorhub._exceptions import ManifestMismatchError
 from tensorhub._slices import SLICED, check_register, runs
-from tensorhub._wire import Manifest, SliceSpec, TensorSpec
+from tensorhub.protocol import Manifest, SliceSpec, TensorSpec
 
 
 # ---------------------------------------------------------------------- pure
@@ -84,7 +84,7 @@ def test_runs_move_exactly_the_intersection():
 def test_state_sends_hf_readers_to_the_slices_until_an_assembled_copy_serves():
     from tensorhub._exceptions import ConflictError
     from tensorhub._state import CoordinatorState
-    from tensorhub._wire import AcquireLease, Locality, RegisterReplica
+    from tensorhub.protocol import AcquireLease, Locality, RegisterReplica
 
     st = CoordinatorState()
     for w in ("r0", "r1", "reader", "other"):

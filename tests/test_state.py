@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tensorhub import ConflictError, ManifestMismatchError, NotFoundError, RetentionError
 from tensorhub._state import CoordinatorState, StateConfig, locality_cost
-from tensorhub._wire import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
+from tensorhub.protocol import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
 
 # These tests jump time without the shell's once-a-second expiry ticks; pause grace (its
 # own tests: tests/test_consistency_state.py) would read each jump as a paused coordinator.
@@ -78,7 +78,7 @@ def test_a_delta_layout_alone_never_completes_a_version():
     """``publish(base=)`` registers the delta layout of v before its full layout: the full
     layout (every shard of it) completes v, never the delta (tensorhub._delta_path)."""
     from tensorhub._views import version_view
-    from tensorhub._wire import delta_layout
+    from tensorhub.protocol import delta_layout
 
     s = new_state("a", "b")
     v1 = publish(s, 0, "a")

@@ -56,7 +56,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from _state_harness import LOC, MANIFEST, MODEL, Scope, World, make_config
 from tensorhub import ConflictError
 from tensorhub._state import CoordinatorState
-from tensorhub._wire import AcquireLease, RegisterReplica
+from tensorhub.protocol import AcquireLease, RegisterReplica
 
 EXAMPLES = int(os.environ.get("STATE_MODEL_EXAMPLES", "1000"))
 STEPS = int(os.environ.get("STATE_MODEL_STEPS", "50"))

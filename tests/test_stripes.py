@@ -331,13 +331,13 @@ def test_stripe_of():
 # ---------------------------------------------------------------- where a plan applies
 def _cand(rid, wid, host, dc="a", complete=True):
     from tensorhub._planner import Candidate
-    from tensorhub._wire import Locality
+    from tensorhub.protocol import Locality
 
     return Candidate(rid, wid, Locality(datacenter=dc, zone="z", host=host), chunks=None if complete else frozenset())
 
 
 def test_plan_root_only_where_one_source_is_scarce():
-    from tensorhub._wire import Locality
+    from tensorhub.protocol import Locality
 
     me = Locality(datacenter="a", zone="z", host="h1")
     pub = _cand("rp", "pub", "h0")
@@ -349,7 +349,7 @@ def test_plan_root_only_where_one_source_is_scarce():
 
 
 def test_wan_root_only_for_a_seeder_while_one_complete_replica_exists():
-    from tensorhub._wire import Locality
+    from tensorhub.protocol import Locality
 
     me = Locality(datacenter="b", zone="z", host="h1")
     pub = _cand("rp", "pub", "h0")
@@ -384,7 +384,7 @@ def test_relayed_takes_the_roots_stripes_from_the_origin_plans_first_carriers():
 # ---------------------------------------------------------------- the coordinator's grants
 def _state_with_version(nreaders, num_chunks=64, dcs=("a",)):
     from tensorhub._state import CoordinatorState, StateConfig
-    from tensorhub._wire import Locality, Manifest, RegisterReplica, TensorSpec
+    from tensorhub.protocol import Locality, Manifest, RegisterReplica, TensorSpec
 
     st = CoordinatorState(StateConfig(lease_ttl=30.0, worker_ttl=30.0), now=0.0)
     st.register_worker(0.0, "pub", "pub:1", Locality(datacenter="a", zone="z", host="hp"))
@@ -399,7 +399,7 @@ def _state_with_version(nreaders, num_chunks=64, dcs=("a",)):
 
 def _lease(st, v, man, k, now, num_chunks=64, lease_id=None, exclude=()):
     from tensorhub._planner import grid_chunk_bytes
-    from tensorhub._wire import AcquireLease, ServeOffer, manifest_digest
+    from tensorhub.protocol import AcquireLease, ServeOffer, manifest_digest
 
     serve = None if lease_id else ServeOffer(manifest_digest=manifest_digest(man), addresses=[(k + 2) << 30],
                                              chunk_bytes=grid_chunk_bytes(man.nbytes), num_chunks=num_chunks,
@@ -440,7 +440,7 @@ def test_coordinator_replaces_a_reported_parent():
 
 
 def test_small_shards_and_old_clients_get_no_plan():
-    from tensorhub._wire import AcquireLease
+    from tensorhub.protocol import AcquireLease
 
     st, v, man = _state_with_version(2, num_chunks=MIN_CHUNKS - 1)
     g = _lease(st, v, man, 0, 0.0, num_chunks=MIN_CHUNKS - 1)
@@ -547,7 +547,7 @@ def test_plan_members_leases_do_not_scan_the_shard(monkeypatch):
     lay = layout(n, STRIPES)
     assert [g.stripe_sources for g in later] == [[pub if q < 0 else ids[q] for q in lay[k]] for k in range(n)]
     # off a plan (a reader that does not serve) the usual choice still sees every replica
-    from tensorhub._wire import AcquireLease
+    from tensorhub.protocol import AcquireLease
 
     st.register_worker(1.0, "plain", "plain:1", first[0].replicas[0].locality)
     st.acquire_lease(1.0, AcquireLease(worker_id="plain", model="m", version=v, pipelined=True))

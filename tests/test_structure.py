@@ -140,3 +140,34 @@ def test_no_import_circle():
 
 def test_a_circle_is_found_when_there_is_one():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _private_uses(path: Path) -> list[str]:
+    """``tensorhub`` privates an adapter module imports: a ``_module`` on the path, or a
+    ``_name`` taken from a public one."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] == "tensorhub"
+                    and any(p.startswith("_") for p in a.name.split("."))]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "tensorhub":
+            mod = node.module or ""
+            out += [f"{mod}.{a.name}" for a in node.names
+                    if any(p.startswith("_") for p in mod.split(".")) or a.name.startswith("_")]
+    return out
+
+
+def test_the_adapters_import_only_tensorhubs_public_names():
+    """Adapters speak to tensorhub through its public modules (``tensorhub``, ``.protocol``,
+    ``.coordinator``, ``.follow``, ``.config``, ``.envs``, ``.testing``, ...), never a
+    ``_private`` module or name, so tensorhub's insides can move without breaking them."""
+    bad = {str(p.relative_to(ROOT)): u for p in (ROOT / "integrations").rglob("*.py") if (u := _private_uses(p))}
+    assert not bad, f"adapters import tensorhub privates: {bad}"
+
+
+def test_a_private_import_is_found(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("import tensorhub._fetch\nfrom tensorhub.coordinator import _bind\nfrom tensorhub import _wire, hub\n"
+                 "def f():\n    from tensorhub._slices import SLICED\n")
+    assert sorted(_private_uses(p)) == ["tensorhub._fetch", "tensorhub._slices.SLICED", "tensorhub._wire",
+                                        "tensorhub.coordinator._bind"]

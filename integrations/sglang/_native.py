@@ -89,7 +89,7 @@ def choose_layout(st: WorkerState, version: int) -> str:
     the delta and applies it to its copy (``Hub.fetch``), a few % of the bytes."""
     if not st.settings.native or st.layout is None:
         return "hf"
-    from tensorhub._wire import delta_layout
+    from tensorhub.protocol import delta_layout
 
     try:
         v = version_status(st.hub, st.settings.model, version)

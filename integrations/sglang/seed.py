@@ -232,7 +232,7 @@ class SeedServer:
 
     def _answer(self, grant: Any, rank: int) -> Optional[tuple[str, dict]]:
         """(replica id, SGLang's answer) for the grant's first complete replica; None if none."""
-        from tensorhub._wire import DTYPE_SIZES
+        from tensorhub.protocol import DTYPE_SIZES
 
         full = [x for x in grant.replicas if x.chunks is None]  # never a replica still receiving
         if not full:
@@ -368,13 +368,13 @@ class SeedServer:
 
         import tensorhub
         from tensorhub import envs
-        from tensorhub.coordinator import _bind, _url
+        from tensorhub.coordinator import listen_socket, socket_url
 
         token = envs.pick(self.token, "TENSORHUB_TOKEN")
         self._expected = token.encode() if token else None
         self.hub = tensorhub.connect(self.coordinator, token=self.token, worker_id=self.worker_id)
-        sock = _bind(self.host, self.port)
-        self.url = _url(self.host, sock, False)
+        sock = listen_socket(self.host, self.port)
+        self.url = socket_url(self.host, sock, False)
         if self._expected is None and not _loopback(self.host):
             logger.warning("tensorhub seed: serving on %s without a token: whoever reaches it learns the holders' "
                            "Mooncake endpoints and memory addresses; set TENSORHUB_TOKEN (the coordinator's)",

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from tensorhub import FetchError, NotFoundError, TensorHubError
-from tensorhub._slices import SLICED
+from tensorhub.protocol import SLICED
 
 from integrations._core.worker import ask_ahead_after, deltas_published
 

@@ -179,7 +179,7 @@ def check_adapter(ref: str, meta: Any, served_model: Optional[str], served_versi
     """The adapter's rank, once its meta says it is a LoRA adapter for this engine's base
     model (``served_model`` v``served_version`` when the engine loaded from TensorHub, else
     one of ``names``) of a rank within ``max_rank``; else :class:`LoRAAdapterError`."""
-    from tensorhub._lora import parse_base
+    from tensorhub.protocol import parse_base
 
     if meta is None or meta.kind != "lora":
         raise LoRAAdapterError(f"tensorhub: LoRA adapter {ref}: the version holds full weights, not a LoRA "

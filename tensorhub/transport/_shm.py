@@ -15,7 +15,7 @@ Two halves, both in every process that uses a Hub:
   endpoint (abstract names are per network namespace: a reader in another namespace cannot
   reach it). A reader that was granted a lease naming one of our replicas, on its own host
   by the locality labels, asks over that socket for the arenas backing it, with a proof of
-  its lease (``_wire.lease_proof``, keyed by the lease's secret, which only the reader was
+  its lease (``protocol.lease_proof``, keyed by the lease's secret, which only the reader was
   answered; never the API token). The holder asks the coordinator that the lease is valid,
   is the asker's, names that replica and that the proof is right (``authorize``); only then
   it sends read-only fds (``SCM_RIGHTS``) of the arenas covering the replica, with the
@@ -79,7 +79,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from .. import envs
 from .._exceptions import TransferError
-from .._wire import lease_proof
+from ..protocol import lease_proof
 from . import _cudaipc, _vm
 from ._base import DONE, PENDING, ReadOp, Transport
 
