@@ -25,6 +25,7 @@ from ._exceptions import (
 from ._ahead import warm
 from ._coordinator import NOT_LEADER, Coordinator, before_disk_wait
 from .protocol import Heartbeat, MAX_BODY_BYTES, AcquireLease, FetchReport, RegisterReplica, manifest_json
+from .protocol.routes import ROUTES, gate_rank
 
 
 logger = logging.getLogger("tensorhub.coordinator")  # (its records as before the split)
@@ -62,30 +63,13 @@ class _LeaderGate:
 #: Request bodies above this size are parsed one at a time (see ``_Guard``).
 _LARGE_BODY = 1 << 20
 
-#: The readers' and publishers' calls (``_Guard``'s gate), each with its rank: a reader's
-#: last call (release + complete registration: it becomes a source) and a publisher's
-#: first, then leases and refreshes, manifest GETs, resolves, the views. Each costs 0.2-2 ms
-#: of the event loop; heartbeats, renewals, releases, reports and long polls are not here.
-_GATED_RANKS = (
-    (re.compile(r"POST /v1/(replicas|models/[^/]+/versions)"), 0),
-    (re.compile(r"POST /v1/leases"), 1),
-    (re.compile(r"GET /v1/models/[^/]+/versions/[^/]+/manifest"), 2),
-    (re.compile(r"POST /v1/models/[^/]+/resolve"), 3),
-    (re.compile(r"GET /v1/(status|models|models/[^/]+/versions/[^/]+)"), 4),
-)
+#: The routes with fast paths here.
+_LEASES, _REPLICAS = ROUTES["acquire_lease"], ROUTES["register_replica"]
+
 #: How many gated calls run at once: a heartbeat arriving in a burst of a thousand readers'
 #: calls waits for at most this many of them on the event loop, not for the whole burst
 #: (the burst takes as long either way: its work is the same, one at a time).
 GATE_SLOTS = 4
-
-
-def _gate_rank(method: str, path: str) -> Optional[int]:
-    """The gate's rank of a call (lower goes first), or None: not gated."""
-    call = f"{method} {path}"
-    for pattern, rank in _GATED_RANKS:
-        if pattern.fullmatch(call):
-            return rank
-    return None
 
 
 class _Gate:
@@ -130,7 +114,7 @@ class _Guard:
     ten times its size in memory (a 48 MiB manifest of a million tiny tensors peaks near
     500 MiB before it is refused), so concurrent large requests cannot multiply that.
 
-    The readers' and publishers' calls (``_GATED_RANKS``) pass a gate of ``GATE_SLOTS``
+    The readers' and publishers' calls (``protocol.routes``: the routes with a ``gate`` rank) pass a gate of ``GATE_SLOTS``
     (``_Gate``): the event loop runs ready requests first come first served, so without it
     a heartbeat that arrives just after a publish waits behind every reader's resolve,
     manifest GET and lease (1,024 readers: about a second of the loop); now behind at most
@@ -169,7 +153,7 @@ class _Guard:
             return await refuse(scope, receive, send)
         if self.count is not None:  # ``tensorhub_requests_total{route}``: authenticated calls only
             self.count(scope["method"], scope["path"])
-        rank = _gate_rank(scope["method"], scope["path"]) if self._gate is not None else None
+        rank = gate_rank(scope["method"], scope["path"]) if self._gate is not None else None
         inner = self.app if rank is None else functools.partial(self._gated, rank=rank)
         if length is not None and int(length) > _LARGE_BODY and not _held(scope):
             async with self._large:
@@ -215,7 +199,7 @@ class _Guard:
 def _held(scope: Any) -> bool:
     """A lease asked ahead (``?wait=``): held for up to a minute, so it takes no turn of the
     large bodies' one-at-a-time parsing (a publisher's registration would wait behind it)."""
-    return scope["method"] == "POST" and scope["path"] == "/v1/leases" and b"wait=" in scope.get("query_string", b"")
+    return scope["method"] == _LEASES.method and scope["path"] == _LEASES.path and b"wait=" in scope.get("query_string", b"")
 
 
 class _FastHeartbeat:
@@ -227,7 +211,7 @@ class _FastHeartbeat:
     validate, and ids it does not accept, go to the route (which also keeps it in the
     OpenAPI document). It sits inside ``_Guard``: token and body checks first."""
 
-    _PATH = re.compile(r"/v1/workers/([A-Za-z0-9._:@+=-]{1,256})/heartbeat")
+    _PATH = re.compile(ROUTES["heartbeat"].path.replace("{worker_id}", "([A-Za-z0-9._:@+=-]{1,256})"))
 
     def __init__(self, app: Any, coord: Coordinator) -> None:
         self.app, self.coord = app, coord
@@ -304,7 +288,7 @@ class _Leases:
         self.app, self.coord = app, coord
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/leases"):
+        if not (scope["type"] == "http" and scope["method"] == _LEASES.method and scope["path"] == _LEASES.path):
             return await self.app(scope, receive, send)
         wait = _wait_of(scope.get("query_string", b""))
         body = await _read_body(receive)
@@ -388,7 +372,7 @@ class _Registration:
         self.app, self.coord = app, coord
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/replicas"):
+        if not (scope["type"] == "http" and scope["method"] == _REPLICAS.method and scope["path"] == _REPLICAS.path):
             return await self.app(scope, receive, send)
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is None or not length.isdigit():

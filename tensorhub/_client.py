@@ -1,6 +1,6 @@
 """HTTP client of the coordinator API: one method per route, answers as models of
-``tensorhub.protocol``, errors mapped to our tree. The only place (with the server,
-``coordinator.py``) that spells a ``/v1/`` path.
+``tensorhub.protocol``, errors mapped to our tree. Its paths and answer models are the
+route table's (``protocol.routes``), which the server registers its routes from.
 
 Connection failures and 5xx answers are retried with backoff for up to ``retry_timeout``
 seconds (a coordinator restart looks like that); 4xx answers are not retried.
@@ -38,8 +38,9 @@ from ._exceptions import (
     UnauthorizedError,
 )
 
-from .protocol import (ChunksHeld, HeartbeatAnswer, LeaseGrant, Manifest, Released, Renewed, ReplicaRegistered,
-                       Unpublished, VersionAnswer, VersionView, WorkerRegistered, WorkerRemoved)
+from .protocol import (HeartbeatAnswer, LeaseGrant, Manifest, ReplicaRegistered, Unpublished, VersionView,
+                       WorkerRegistered, WorkerRemoved)
+from .protocol.routes import ROUTES
 
 __all__ = ["CoordinatorClient"]
 
@@ -251,38 +252,47 @@ class CoordinatorClient:
         return self.request("DELETE", path, **kw)
 
     # ------------------------------------------------------------------ routes
+    def call(self, name: str, body: Any = None, *, params: Any = None, kw: Optional[dict] = None,
+             **path: Any) -> Any:
+        """Route ``name`` of ``protocol.routes.ROUTES`` (its method, its path filled from
+        ``path``), its answer read as its answer model (a plain dict or list where it has none)."""
+        r = ROUTES[name]
+        if r.method == "POST" and body is None:
+            body = {}
+        answer = self.request(r.method, r.url(**path), json=body, params=params, **(kw or {}))
+        return answer if r.answer is None else r.answer.model_validate(answer)
+
     def info(self, **kw: Any) -> dict:
-        return self.get("/v1/info", **kw)
+        return self.call("info", kw=kw)
 
     def status(self, **kw: Any) -> dict:
         """Everything ``tensorhub status`` shows (models, versions, replicas, workers, leases, fetches)."""
-        return self.get("/v1/status", **kw)
+        return self.call("status", kw=kw)
 
     def version(self, model: str, version: int, **kw: Any) -> VersionView:
         """One version now (layouts, replicas); NotFoundError if the coordinator has none."""
-        return VersionView.model_validate(self.get(f"/v1/models/{model}/versions/{version}", **kw))
+        return self.call("version", model=model, version=version, kw=kw)
 
     def models(self, **kw: Any) -> list:
-        return self.get("/v1/models", **kw)
+        return self.call("models", kw=kw)
 
     def register_worker(self, worker_id: str, endpoint: str, locality: Mapping[str, str], **kw: Any) -> WorkerRegistered:
-        return WorkerRegistered.model_validate(self.post("/v1/workers", {
-            "worker_id": worker_id, "endpoint": endpoint, "locality": dict(locality)}, **kw))
+        return self.call("register_worker", {"worker_id": worker_id, "endpoint": endpoint, "locality": dict(locality)},
+                         kw=kw)
 
     def heartbeat(self, worker_id: str, fetches: Sequence[Mapping[str, Any]] = (), **kw: Any) -> HeartbeatAnswer:
         """``fetches``: fetch reports carried in the body (progress folded into heartbeats)."""
-        body = {"fetches": list(fetches)} if fetches else None
-        return HeartbeatAnswer.model_validate(self.post(f"/v1/workers/{worker_id}/heartbeat", body, **kw))
+        return self.call("heartbeat", {"fetches": list(fetches)} if fetches else None, worker_id=worker_id, kw=kw)
 
     def remove_worker(self, worker_id: str, **kw: Any) -> WorkerRemoved:
-        return WorkerRemoved.model_validate(self.delete(f"/v1/workers/{worker_id}", **kw))
+        return self.call("remove_worker", worker_id=worker_id, kw=kw)
 
     def allocate_version(self, model: str, version: Optional[int] = None, request_id: Optional[str] = None,
                          **kw: Any) -> int:
         body: dict[str, Any] = {"version": version}
         if request_id is not None:
             body["request_id"] = request_id
-        return VersionAnswer.model_validate(self.post(f"/v1/models/{model}/versions", body, **kw)).version
+        return self.call("allocate_version", body, model=model, kw=kw).version
 
     def latest(self, model: str, *, newer_than: Optional[int] = None, wait: Optional[float] = None,
                **kw: Any) -> Optional[int]:
@@ -291,82 +301,81 @@ class CoordinatorClient:
             params["wait"] = wait
         if newer_than is not None:
             params["newer_than"] = newer_than
-        return VersionAnswer.model_validate(self.get(f"/v1/models/{model}/latest", params=params or None,
-                                                     **kw)).version
+        return self.call("latest", params=params or None, model=model, kw=kw).version
 
     # fleet switch groups (``_fleet``): plain JSON answers
     def fleet_join(self, group: str, member: str, model: str, version: Optional[int], switch: str = "auto",
                    wait: float = 60.0, engine: Optional[str] = None, **kw: Any) -> dict:
-        return self.post(f"/v1/fleets/{group}/join", {"member": member, "model": model, "version": version,
-                                                      "switch": switch, "wait": wait, "engine": engine}, **kw)
+        return self.call("fleet_join", {"member": member, "model": model, "version": version, "switch": switch,
+                                        "wait": wait, "engine": engine}, group=group, kw=kw)
 
     def fleet_ready(self, group: str, member: str, version: int, **kw: Any) -> dict:
-        return self.post(f"/v1/fleets/{group}/ready", {"member": member, "version": version}, **kw)
+        return self.call("fleet_ready", {"member": member, "version": version}, group=group, kw=kw)
 
     def fleet_switch(self, group: str, model: str, version: int, wait: Optional[float] = None, **kw: Any) -> dict:
-        return self.post(f"/v1/fleets/{group}/switch", {"model": model, "version": version, "wait": wait}, **kw)
+        return self.call("fleet_switch", {"model": model, "version": version, "wait": wait}, group=group, kw=kw)
 
     def fleet_round(self, group: str, version: int, member: Optional[str] = None, **kw: Any) -> dict:
-        return self.get(f"/v1/fleets/{group}/rounds/{version}", params={"member": member} if member else None, **kw)
+        return self.call("fleet_round", params={"member": member} if member else None, group=group, version=version,
+                         kw=kw)
 
     def fleet_applied(self, group: str, member: str, version: int, ok: bool, error: Optional[str] = None,
                       **kw: Any) -> dict:
-        return self.post(f"/v1/fleets/{group}/applied", {"member": member, "version": version, "ok": ok,
-                                                         "error": None if error is None else error[:2000]}, **kw)
+        return self.call("fleet_applied", {"member": member, "version": version, "ok": ok,
+                                           "error": None if error is None else error[:2000]}, group=group, kw=kw)
 
     def fleet(self, group: str, **kw: Any) -> dict:
-        return self.get(f"/v1/fleets/{group}", **kw)
+        return self.call("fleet", group=group, kw=kw)
 
     def resolve(self, model: str, group: Optional[str] = None, **kw: Any) -> int:
-        return VersionAnswer.model_validate(self.post(f"/v1/models/{model}/resolve", {"group": group}, **kw)).version
+        return self.call("resolve", {"group": group}, model=model, kw=kw).version
 
     def register_replica(self, body: Mapping[str, Any], **kw: Any) -> ReplicaRegistered:
-        return ReplicaRegistered.model_validate(self.post("/v1/replicas", dict(body), **kw))
+        return self.call("register_replica", dict(body), kw=kw)
 
     def manifest(self, model: str, version: int, layout: str = "hf", shard: int = 0, **kw: Any) -> Manifest:
-        return Manifest.model_validate(self.get(f"/v1/models/{model}/versions/{version}/manifest",
-                                                params={"layout": layout, "shard": shard}, **kw))
+        return self.call("manifest", params={"layout": layout, "shard": shard}, model=model, version=version, kw=kw)
 
     def unpublish(self, model: str, version: int, worker_id: str, replica_ids: Optional[Sequence[str]] = None,
                   **kw: Any) -> Unpublished:
         body: dict[str, Any] = {"worker_id": worker_id}
         if replica_ids is not None:
             body["replica_ids"] = list(replica_ids)
-        return Unpublished.model_validate(self.post(f"/v1/models/{model}/versions/{version}/unpublish", body, **kw))
+        return self.call("unpublish", body, model=model, version=version, kw=kw)
 
     def report_replica(self, replica_id: str, worker_id: str, reason: str, **kw: Any) -> None:
-        self.post(f"/v1/replicas/{replica_id}/report", {"worker_id": worker_id, "reason": reason[:1000]}, **kw)
+        self.call("report_replica", {"worker_id": worker_id, "reason": reason[:1000]}, replica_id=replica_id, kw=kw)
 
     def report_chunks(self, replica_id: str, worker_id: str, chunks: Sequence[int], lease_ids: Sequence[str],
                       coming: Sequence[int], **kw: Any) -> int:
-        return ChunksHeld.model_validate(self.post(f"/v1/replicas/{replica_id}/chunks", {
-            "worker_id": worker_id, "chunks": list(chunks), "lease_ids": list(lease_ids),
-            "coming": list(coming)}, **kw)).held
+        return self.call("report_chunks", {"worker_id": worker_id, "chunks": list(chunks), "lease_ids": list(lease_ids),
+                                           "coming": list(coming)}, replica_id=replica_id, kw=kw).held
 
     def acquire_lease(self, body: Mapping[str, Any], *, wait: Optional[float] = None, **kw: Any) -> LeaseGrant:
         """A lease (``body``: the ``AcquireLease`` fields). Asked ahead (``ahead``), held up to
         ``wait`` seconds: None when no version came meanwhile (ask again, same request id)."""
         if wait is None:
-            return LeaseGrant.model_validate(self.post("/v1/leases", dict(body), **kw))
+            return self.call("acquire_lease", dict(body), kw=kw)
         kw.setdefault("timeout", wait + 30.0)
-        answer = self.post("/v1/leases", dict(body), params={"wait": wait}, **kw)
+        r = ROUTES["acquire_lease"]
+        answer = self.request(r.method, r.path, json=dict(body), params={"wait": wait}, **kw)
         return None if answer.get("pending") else LeaseGrant.model_validate(answer)  # type: ignore[return-value]
 
     def renew_lease(self, lease_id: str, **kw: Any) -> float:
-        return Renewed.model_validate(self.post(f"/v1/leases/{lease_id}/renew", **kw)).ttl
+        return self.call("renew_lease", lease_id=lease_id, kw=kw).ttl
 
     def release_lease(self, lease_id: str, **kw: Any) -> bool:
-        return Released.model_validate(self.post(f"/v1/leases/{lease_id}/release", **kw)).valid
+        return self.call("release_lease", lease_id=lease_id, kw=kw).valid
 
     def lease_covers(self, lease_id: str, replica_id: str, worker_id: str, proof: str, endpoint: str,
                      **kw: Any) -> bool:
         """Is the lease valid now, ``worker_id``'s, naming ``replica_id``, and ``proof`` its
         reader's ``lease_proof`` for the holder at ``endpoint``? (same-host reads, holder side)"""
-        return Released.model_validate(self.post(f"/v1/leases/{lease_id}/covers", {
-            "replica_id": replica_id, "worker_id": worker_id, "proof": proof, "endpoint": endpoint}, **kw)).valid
+        return self.call("lease_covers", {"replica_id": replica_id, "worker_id": worker_id, "proof": proof,
+                                          "endpoint": endpoint}, lease_id=lease_id, kw=kw).valid
 
-    #: Telemetry kinds ``report`` sends (``FetchReport``, ``SwapReport``).
-    REPORTS = {"fetch": "/v1/fetches", "swap": "/v1/swaps"}
+    #: Telemetry kinds ``report`` sends (``FetchReport``, ``SwapReport``): their routes.
+    REPORTS = {"fetch": "report_fetch", "swap": "report_swap"}
 
     def report(self, kind: str, body: Mapping[str, Any], **kw: Any) -> None:
-        self.post(self.REPORTS[kind], dict(body), **kw)
+        self.call(self.REPORTS[kind], dict(body), kw=kw)

@@ -34,11 +34,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional
-
-from pydantic import BaseModel, Field
+from typing import Any, Callable, Optional
 
 from ._exceptions import ConflictError, NotFoundError
+from .protocol.routes import ROUTES
+from .protocol import FLEET_ID, FleetApplied, FleetJoin, FleetReady, FleetSwitch
 
 __all__ = ["FleetGroups", "FleetJoin", "FleetReady", "FleetApplied", "FleetSwitch", "add_routes",
            "MEMBER_TTL", "APPLY_TIMEOUT"]
@@ -47,36 +47,6 @@ __all__ = ["FleetGroups", "FleetJoin", "FleetReady", "FleetApplied", "FleetSwitc
 MEMBER_TTL = 15.0
 #: Seconds a round waits for its ``go`` members' outcomes before the silent ones leave as failed.
 APPLY_TIMEOUT = 600.0
-
-_ID = r"^[A-Za-z0-9._:@+=-]{1,256}$"
-
-
-class FleetJoin(BaseModel):
-    member: str = Field(pattern=_ID)
-    model: str = Field(min_length=1, max_length=256)
-    version: Optional[int] = Field(default=None, ge=0)  # what its engine runs now (None: not known)
-    switch: Literal["auto", "caller"] = "auto"
-    wait: float = Field(default=60.0, gt=0, le=86400)  # a round's deadline after it opened (auto) / was asked
-    engine: Optional[str] = Field(default=None, max_length=512)  # what it drives (shown by status)
-
-
-class FleetReady(BaseModel):
-    member: str = Field(pattern=_ID)
-    version: int = Field(ge=0)
-
-
-class FleetApplied(BaseModel):
-    member: str = Field(pattern=_ID)
-    version: int = Field(ge=0)
-    ok: bool
-    error: Optional[str] = Field(default=None, max_length=2000)
-
-
-class FleetSwitch(BaseModel):
-    model: str = Field(min_length=1, max_length=256)
-    version: int = Field(ge=0)
-    wait: Optional[float] = Field(default=None, gt=0, le=86400)  # default: the group's
-
 
 @dataclass
 class _Member:
@@ -362,35 +332,39 @@ def add_routes(app: Any, fleets: FleetGroups) -> None:
     """The fleet routes on the coordinator's app (``/v1/fleets/...``)."""
     from fastapi import Path, Query
 
-    gid = Path(pattern=_ID)
+    gid = Path(pattern=FLEET_ID)
 
-    @app.post("/v1/fleets/{group}/join")
+    def _on(name: str) -> Any:
+        r = ROUTES[name]
+        return app.api_route(r.path, methods=[r.method])
+
+    @_on("fleet_join")
     def fleet_join(req: FleetJoin, group: str = gid) -> dict:
         """A follow process joins (or refreshes) its engine in a fleet group."""
         return fleets.join(group, req)
 
-    @app.post("/v1/fleets/{group}/ready")
+    @_on("fleet_ready")
     def fleet_ready(req: FleetReady, group: str = gid) -> dict:
         """A member's engine holds the version (prefetched): ready to apply."""
         return fleets.ready(group, req)
 
-    @app.post("/v1/fleets/{group}/switch")
+    @_on("fleet_switch")
     def fleet_switch(req: FleetSwitch, group: str = gid) -> dict:
         """The caller asks the group to switch to a version (two phases; see ``Hub.fleet_switch``)."""
         return fleets.switch(group, req)
 
-    @app.get("/v1/fleets/{group}/rounds/{version}")
+    @_on("fleet_round")
     def fleet_round(group: str = gid, version: int = Path(ge=0),
-                    member: Optional[str] = Query(default=None, pattern=_ID)) -> dict:
+                    member: Optional[str] = Query(default=None, pattern=FLEET_ID)) -> dict:
         """A round's state: ready, apply (its go and left lists fixed) or done."""
         return fleets.round(group, version, member)
 
-    @app.post("/v1/fleets/{group}/applied")
+    @_on("fleet_applied")
     def fleet_applied(req: FleetApplied, group: str = gid) -> dict:
         """A go member's swap outcome."""
         return fleets.applied(group, req)
 
-    @app.get("/v1/fleets/{group}")
+    @_on("fleet")
     def fleet_view(group: str = gid) -> dict:
         """A fleet group: members (version, in or out and why), rounds, mixed, counts."""
         return fleets.view(group)

@@ -43,8 +43,9 @@ from ._fleet import add_routes as add_fleet_routes
 from ._state import StateConfig
 from ._views import version_view
 from .protocol import (Heartbeat, MAX_BODY_BYTES, MAX_NAME_LEN, MAX_SHARDS, MAX_VERSION, AcquireLease,
-                       AllocateVersion, FetchReport, LeaseCovers, LeaseGrant, Manifest, RegisterReplica,
-                       RegisterWorker, Report, ReportChunks, Resolve, SwapReport, Unpublish)
+                       AllocateVersion, FetchReport, LeaseCovers, RegisterReplica, RegisterWorker, Report,
+                       ReportChunks, Resolve, SwapReport, Unpublish)
+from .protocol.routes import ROUTES
 
 __all__ = ["Coordinator", "EmbeddedCoordinator", "create_app", "serve", "ha_coordinator", "listen_socket",
            "socket_url"]
@@ -63,6 +64,17 @@ def _id() -> Any:
 def _version() -> Any:
     return PathParam(ge=1, le=MAX_VERSION)
 
+
+
+def _on(app: FastAPI, name: str, **kw: Any) -> Callable:
+    """Register a route of the table (``protocol.routes.ROUTES[name]``): its method and path,
+    and its answer model, which FastAPI checks every answer of it against (the keys the
+    handler set: an answer's JSON is what it was) and the OpenAPI document shows."""
+    r = ROUTES[name]
+    if r.answer is not None:
+        kw.setdefault("response_model", r.answer)
+        kw.setdefault("response_model_exclude_unset", True)
+    return app.api_route(r.path, methods=[r.method], **kw)
 
 
 class _PrometheusText(Response):
@@ -111,7 +123,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
 
     st = lambda: coord.state  # noqa: E731 - the state object is replaced on reload
 
-    @app.get("/healthz")
+    @_on(app, "healthz")
     async def healthz() -> dict:
         """Liveness, and the role: ``leader`` (always, on SQLite) or ``follower`` with the
         leader's URL (``null`` while an election runs)."""
@@ -122,44 +134,44 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
                 "role": "leader" if leading else "follower", "leader": coord.leader_url(),
                 "url": coord.election.url}
 
-    @app.get("/v1/info")
+    @_on(app, "info")
     async def info() -> dict:
         c = coord.config
         return {"epoch": coord.state.epoch, "time": time.time(), "lease_ttl": c.lease_ttl,
                 "worker_ttl": c.worker_ttl, "suspect_ttl": c.suspect_ttl, "max_body_bytes": MAX_BODY_BYTES}
 
-    @app.post("/v1/workers")
+    @_on(app, "register_worker")
     async def register_worker(req: RegisterWorker) -> dict:
         coord.call(lambda now: st().register_worker(now, req.worker_id, req.endpoint, req.locality), soft=True)
         return {"epoch": coord.state.epoch, "worker_ttl": coord.config.worker_ttl,
                 "lease_ttl": coord.config.lease_ttl, "address_runs": True, "lease_secrets": True,
                 "ahead": True, "register_like": True}
 
-    @app.post("/v1/workers/{worker_id}/heartbeat")
+    @_on(app, "heartbeat")
     async def heartbeat(worker_id: str = _id(), req: Optional[Heartbeat] = Body(default=None)) -> dict:
         """A worker is alive; its body (optional) carries its fetch reports since the last
         one (progress folded into heartbeats), recorded as ``POST /v1/fetches`` would."""
         w = coord.call(lambda now: st().heartbeat(now, worker_id), soft=True)
         return _heartbeat_answer(coord, w) | {"fetches": _record_all(coord, worker_id, req.fetches if req else [])}
 
-    @app.delete("/v1/workers/{worker_id}")
+    @_on(app, "remove_worker")
     async def remove_worker(worker_id: str = _id()) -> dict:
         n = coord.call(lambda now: st().remove_worker(now, worker_id), soft=True)
         return {"replicas_dropped": n}
 
-    @app.get("/v1/models")
+    @_on(app, "models")
     def models() -> list:
         return coord.read(lambda: [
             {"model": name, "counter": m.counter, "latest": st().latest(name)}
             for name, m in sorted(st().models.items())
         ])
 
-    @app.post("/v1/models/{model}/versions")
+    @_on(app, "allocate_version")
     async def allocate(model: str = _model(), req: AllocateVersion = Body(default=AllocateVersion())) -> dict:
         return {"version": await coord.acall(lambda now: st().allocate_version(now, model, req.version,
                                                                                 req.request_id))}
 
-    @app.get("/v1/models/{model}/latest")
+    @_on(app, "latest")
     async def latest(
         model: str = _model(),
         newer_than: Optional[int] = Query(default=None, ge=0, le=MAX_VERSION),
@@ -181,20 +193,20 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
             finally:
                 coord.watch.forget(model, woken)
 
-    @app.post("/v1/models/{model}/resolve")
+    @_on(app, "resolve")
     async def resolve(model: str = _model(), req: Resolve = Body(default=Resolve())) -> dict:
         return {"version": await coord.acall(lambda now: st().resolve(now, model, req.group, req.newer_than))}
 
-    @app.post("/v1/replicas")
+    @_on(app, "register_replica")
     async def register_replica(req: RegisterReplica) -> dict:
         return await _register(coord, req)
 
-    @app.get("/v1/models/{model}/versions/{version}")
+    @_on(app, "version")
     def version_info(model: str = _model(), version: int = _version()) -> dict:
         """One version now: complete or not, its layouts, its replicas (``VersionView``)."""
         return coord.read(lambda: version_view(st(), coord.clock(), model, version))
 
-    @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=Manifest)
+    @_on(app, "manifest")
     async def manifest(request: Request, model: str = _model(), version: int = _version(),
                        layout: str = Query(default="hf", min_length=1, max_length=MAX_NAME_LEN,
                                            pattern=r"^[^\x00-\x1f\x7f]+$"),
@@ -209,7 +221,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         return Response(enc.json, media_type="application/json",
                         headers={"Vary": "Accept-Encoding"} if enc.gzip is not None else None)
 
-    @app.post("/v1/models/{model}/versions/{version}/unpublish")
+    @_on(app, "unpublish")
     async def unpublish(req: Unpublish, model: str = _model(), version: int = _version()) -> dict:
         drained, open_ = await coord.acall(lambda now: st().unpublish(now, req.worker_id, model, version,
                                                                  req.replica_ids))
@@ -217,7 +229,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
             logger.info("worker %s unpublished %s v%d", req.worker_id, model, version)
         return {"drained": drained, "open_leases": open_}
 
-    @app.post("/v1/replicas/{replica_id}/report")
+    @_on(app, "report_replica")
     async def report(req: Report, replica_id: str = _id()) -> dict:
         r = coord.call(lambda now: st().report(now, replica_id, req.worker_id, req.reason), soft=True)
         if r is not None:
@@ -228,13 +240,13 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
                        req.worker_id, req.reason)
         return {}
 
-    @app.post("/v1/replicas/{replica_id}/chunks")
+    @_on(app, "report_chunks")
     async def report_chunks(req: ReportChunks, replica_id: str = _id()) -> dict:
         """A partial replica's holder: these chunks are complete in its memory."""
         return {"held": coord.call(lambda now: st().add_chunks(now, replica_id, req.worker_id, req.chunks,
                                                                           req.lease_ids, req.coming), soft=True)}
 
-    @app.post("/v1/leases", response_model=LeaseGrant)
+    @_on(app, "acquire_lease")
     async def acquire(req: AcquireLease, wait: float = Query(default=0.0, ge=0.0, le=60.0)) -> Response:
         """A read lease. Asked ahead (``req.ahead``, ``tensorhub._ahead``): held up to ``wait``
         seconds until a complete version >= ``req.version`` exists; ``{"pending": true}``
@@ -243,15 +255,15 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         OpenAPI document and answers what that path refuses to parse, with the 422.)"""
         return Response(await _lease(coord, req, wait), media_type="application/json")
 
-    @app.post("/v1/leases/{lease_id}/renew")
+    @_on(app, "renew_lease")
     async def renew(lease_id: str = _id()) -> dict:
         return {"ttl": coord.call(lambda now: st().renew_lease(now, lease_id), soft=True)}
 
-    @app.post("/v1/leases/{lease_id}/release")
+    @_on(app, "release_lease")
     async def release(lease_id: str = _id()) -> dict:
         return {"valid": coord.call(lambda now: st().release_lease(now, lease_id), soft=True)}
 
-    @app.post("/v1/leases/{lease_id}/covers")
+    @_on(app, "lease_covers")
     async def covers(req: LeaseCovers, lease_id: str = _id()) -> dict:
         # same-host reads (transport/_shm): may this reader, which proved its lease, map
         # that replica's memory? (A POST: the proof stays out of URLs. Older holders' GET
@@ -259,7 +271,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         return {"valid": coord.call(lambda now: st().lease_covers(now, lease_id, req.replica_id, req.worker_id,
                                                                   req.proof, req.endpoint), soft=True)}
 
-    @app.get("/v1/status")
+    @_on(app, "status")
     def status() -> dict:
         out = coord.read(lambda: st().status(coord.clock()))
         out["fleets"] = coord.fleets.views()
@@ -272,7 +284,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
             out["coordinators"] = {"leader": me, "followers": [u for u in members if u != me]}
         return out
 
-    @app.post("/v1/fetches")
+    @_on(app, "report_fetch")
     async def fetch_report(req: FetchReport) -> dict:
         """A reader reports a fetch: while it runs (shown by ``status``) and when it ended
         (counted in ``/metrics``). Only models the coordinator knows are accepted. (Newer
@@ -280,7 +292,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         record_fetch(coord, req)
         return {}
 
-    @app.post("/v1/swaps")
+    @_on(app, "report_swap")
     async def swap_report(req: SwapReport) -> dict:
         """An engine reports switching to a version: its stall feeds
         ``tensorhub_swap_stall_seconds``. Only models the coordinator knows are accepted."""
@@ -294,7 +306,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
 
     add_fleet_routes(app, coord.fleets)
 
-    @app.get("/metrics", response_class=_PrometheusText,
+    @_on(app, "metrics", response_class=_PrometheusText,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     def metrics() -> Response:
         """Prometheus metrics (text exposition format). Needs the token like ``/v1``."""

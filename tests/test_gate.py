@@ -12,7 +12,8 @@ import pytest
 
 from tensorhub._coordinator import Coordinator
 from tensorhub._state import StateConfig
-from tensorhub._asgi import GATE_SLOTS, _Gate, _gate_rank, _Guard
+from tensorhub._asgi import GATE_SLOTS, _Gate, _Guard
+from tensorhub.protocol.routes import gate_rank as _gate_rank
 from tensorhub.coordinator import create_app
 
 from _stores import SlowStore

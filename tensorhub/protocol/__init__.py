@@ -17,9 +17,9 @@ from .base import (API_VERSION, DTYPE_SIZES, MAX_BODY_BYTES, MAX_CHUNKS, MAX_DIM
 from .layouts import DELTA_PREFIX, SLICED, delta_layout, is_delta_layout
 from .manifest import (MAX_META_BYTES, AddressRuns, Locality, Manifest, SliceSpec, TensorSpec, VersionMeta,
                        first_difference, keep_like, manifest_digest, manifest_json, parse_base, shape_digest)
-from .requests import (AcquireLease, AllocateVersion, Bytes, FetchReport, Heartbeat, LeaseCovers, ManifestLike,
-                       RegisterReplica, RegisterWorker, Report, ReportChunks, Resolve, Seconds, ServeOffer,
-                       SwapReport, Unpublish, lease_proof)
+from .requests import (FLEET_ID, AcquireLease, AllocateVersion, Bytes, FetchReport, FleetApplied, FleetJoin,
+                       FleetReady, FleetSwitch, Heartbeat, LeaseCovers, ManifestLike, RegisterReplica, RegisterWorker,
+                       Report, ReportChunks, Resolve, Seconds, ServeOffer, SwapReport, Unpublish, lease_proof)
 
 __all__ = [
     # base
@@ -33,7 +33,7 @@ __all__ = [
     # requests
     "AcquireLease", "AllocateVersion", "Bytes", "FetchReport", "Heartbeat", "LeaseCovers", "ManifestLike",
     "RegisterReplica", "RegisterWorker", "Report", "ReportChunks", "Resolve", "Seconds", "ServeOffer", "SwapReport",
-    "Unpublish", "lease_proof",
+    "Unpublish", "lease_proof", "FLEET_ID", "FleetJoin", "FleetReady", "FleetSwitch", "FleetApplied",
     # answers
     "ChunksHeld", "Error", "HeartbeatAnswer", "LayoutView", "LeaseGrant", "Released", "Renewed", "ReplicaInfo",
     "ReplicaRegistered", "ReplicaView", "Unpublished", "VersionAnswer", "VersionSums", "VersionView",

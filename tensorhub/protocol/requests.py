@@ -7,7 +7,7 @@ import hashlib
 import hmac
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from .base import (MAX_CHUNKS, MAX_SHARDS, MAX_TENSOR_BYTES, MAX_TENSORS, MAX_VERSION, Address, Ident,
                    ModelName, Name, Shard, Version, _Model)
@@ -271,3 +271,35 @@ class SwapReport(_Model):
     fetch_seconds: Optional[Seconds] = None
     apply_seconds: Optional[Seconds] = None
     ok: bool = True
+
+
+# ---------------------------------------------------------------- fleet switch groups (``tensorhub._fleet``)
+#: A fleet group's or member's id (in URL paths: no slash).
+FLEET_ID = r"^[A-Za-z0-9._:@+=-]{1,256}$"
+
+
+class FleetJoin(BaseModel):
+    member: str = Field(pattern=FLEET_ID)
+    model: str = Field(min_length=1, max_length=256)
+    version: Optional[int] = Field(default=None, ge=0)  # what its engine runs now (None: not known)
+    switch: Literal["auto", "caller"] = "auto"
+    wait: float = Field(default=60.0, gt=0, le=86400)  # a round's deadline after it opened (auto) / was asked
+    engine: Optional[str] = Field(default=None, max_length=512)  # what it drives (shown by status)
+
+
+class FleetReady(BaseModel):
+    member: str = Field(pattern=FLEET_ID)
+    version: int = Field(ge=0)
+
+
+class FleetApplied(BaseModel):
+    member: str = Field(pattern=FLEET_ID)
+    version: int = Field(ge=0)
+    ok: bool
+    error: Optional[str] = Field(default=None, max_length=2000)
+
+
+class FleetSwitch(BaseModel):
+    model: str = Field(min_length=1, max_length=256)
+    version: int = Field(ge=0)
+    wait: Optional[float] = Field(default=None, gt=0, le=86400)  # default: the group's
