@@ -47,6 +47,16 @@ class Resolve(_Model):
     newer_than: Optional[Annotated[int, Field(ge=0, le=MAX_VERSION)]] = None
 
 
+class _ShardCall(_Model):
+    """A worker's call about one shard of a version's layout."""
+
+    worker_id: Ident
+    model: ModelName
+    version: Version
+    layout: Name = "hf"
+    shard: Shard = 0
+
+
 class ManifestLike(_Model):
     """A new version's manifest as an earlier version's tensors plus its own sums
     (``RegisterReplica.like``): a model trained in place publishes every version with the
@@ -77,12 +87,7 @@ class ManifestLike(_Model):
                                         meta=self.meta, slices=None)
 
 
-class RegisterReplica(_Model):
-    worker_id: Ident
-    model: ModelName
-    version: Version
-    layout: Name = "hf"
-    shard: Shard = 0
+class RegisterReplica(_ShardCall):
     num_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] = 1
     #: The shard's manifest; or, when the coordinator has it already (a reader registering
     #: what it fetched), only ``manifest_digest`` (``manifest_digest()`` of it): one of the two.
@@ -160,12 +165,7 @@ class ServeOffer(_Model):
         return self
 
 
-class AcquireLease(_Model):
-    worker_id: Ident
-    model: ModelName
-    version: Version
-    layout: Name = "hf"
-    shard: Shard = 0
+class AcquireLease(_ShardCall):
     max_sources: Annotated[int, Field(ge=1, le=64)] = 4
     exclude: list[Ident] = Field(default_factory=list, max_length=1024)
     #: The reader understands partial replicas (chunk sets) and cross-datacenter seeding.
