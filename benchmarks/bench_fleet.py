@@ -2,7 +2,7 @@
 
 ``--workers`` (10,000) simulated workers heart-beat while ``--readers`` (1,024) simulated
 pipelined readers fetch one version of a ``--fleet-tensors`` (50,000) MoE manifest, each
-speaking the protocol as ``tensorhub._fetch.PipelinedSources`` does, with the data plane
+speaking the protocol as ``tensorhub._sources.PipelinedSources`` does, with the data plane
 replaced by a clock (a reader completes chunks at ``--link-gbps`` from the chunks its
 sources hold). Three phases on one coordinator (``--keep-versions`` keeps them all): a
 base (``--chunks`` and ``--history`` firsts), more chunks per shard, more retained
@@ -57,14 +57,14 @@ from bench_load import CoordinatorProc, _cpu, _machine_busy, _manifest, _pct, _P
 FIRST_REFRESH = 0.1
 
 # N workers heart-beating and R simulated pipelined readers fetching one version, each
-# speaking the protocol exactly as ``tensorhub._fetch.PipelinedSources`` and
+# speaking the protocol exactly as ``tensorhub._sources.PipelinedSources`` and
 # ``tensorhub._pipeline.PipelinedReader`` do today (their constants below), with the data
 # plane replaced by a clock: a reader completes chunks at ``link_gbps`` from the chunks its
 # lease's sources hold. Three phases on one coordinator, side by side: a base size, more
 # chunks per shard, more retained versions; the per-reader figures and their ratios show
 # whether the coordinator's work grows with either.
 
-#: ``_fetch.DEPTH``, ``PipelinedReader.refresh_interval`` (idle; twice that when busy),
+#: ``_sources.DEPTH``, ``PipelinedReader.refresh_interval`` (idle; twice that when busy),
 #: the chunk-report interval before chunk maps, ``claim_patience``, ``TENSORHUB_PROGRESS_INTERVAL``.
 DEPTH, REFRESH, REPORT, CLAIM_PATIENCE, PROGRESS = 2, 0.05, 0.05, 0.5, 1.0
 #: Targets of issue 13 ("Figures").

@@ -384,8 +384,8 @@ class Sim:
 
 
 # ---------------------------------------------------------------- the chunk-map control loop
-#: ``PipelinedReader`` / ``ShardReader`` constants (tensorhub/_pipeline.py, _reader.py, _fetch.py).
-DEPTH = 2  # reads in flight per source (_fetch.DEPTH)
+#: ``PipelinedReader`` / ``ShardReader`` constants (tensorhub/_pipeline.py, _reader.py, _sources.py).
+DEPTH = 2  # reads in flight per source (_sources.DEPTH)
 POLL = 0.002  # ShardReader.poll_interval: the loop's longest sleep while reads are in flight
 IDLE_CAP = 0.025  # PipelinedReader._idle_cap (refresh_interval / 2): longest sleep with nothing in flight
 STATUS_INTERVAL = 0.01  # least seconds between two reads of one source's chunk map

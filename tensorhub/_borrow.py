@@ -41,7 +41,8 @@ from typing import Any, Iterable, Optional
 from ._checksum import verifier
 from ._exceptions import ConflictError, FetchError, LeaseLapsedError, TensorHubError
 from ._fencing import LeaseClock, renew_leases
-from ._fetch import FetchOptions, acquire_lease, release_all, release_checked
+from ._fetch import FetchOptions
+from ._sources import acquire_lease, release_all, release_checked
 from ._reader import Source
 from ._session import Session
 from ._tensors import _torch_dtype

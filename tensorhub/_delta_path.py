@@ -58,7 +58,8 @@ from ._delta import DeltaError
 from ._exceptions import (
     ConfigError, CoordinatorError, FetchError, NotFoundError, TensorHubError, TensorMismatchError,
 )
-from ._fetch import Fetch, FetchOptions, Fetched, PipelinedSources, PlainSources, acquire_lease, withdraw
+from ._fetch import Fetch, FetchOptions, Fetched
+from ._sources import PipelinedSources, PlainSources, acquire_lease, withdraw
 from ._holdings import Held, Holdings, unregister_regions
 from ._metrics import Track
 from ._session import Session

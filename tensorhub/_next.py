@@ -24,7 +24,8 @@ import time
 from typing import Any, Callable, Mapping, Optional
 
 from ._exceptions import ConflictError, FetchError, HubTimeoutError, NotFoundError
-from ._fetch import RELEASE_GRACE, Ahead, Fetch, Fetched, FetchOptions, NoNewVersion, Reshaped
+from ._fetch import Ahead, Fetch, Fetched, FetchOptions, Reshaped
+from ._sources import RELEASE_GRACE, NoNewVersion
 from ._metrics import Track
 
 __all__ = ["USUAL", "fetch_next"]

@@ -1,5 +1,5 @@
 """Pipelined replication: the reader's chunk loop (reader process; the fetch that drives it,
-its leases and its partial replica are ``_fetch.PipelinedSources``).
+its leases and its partial replica are ``_sources.PipelinedSources``).
 
 A pipelined fetch:
 

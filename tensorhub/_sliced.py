@@ -43,7 +43,8 @@ from ._exceptions import ConfigError, FetchError, LeaseLapsedError, NotFoundErro
 from ._fencing import LeaseClock, renew_leases
 from ._holder import serve as serve_held
 from ._holdings import Held, Holdings, register_regions, unregister_regions
-from ._fetch import DEPTH, FetchOptions, Fetched, acquire_lease, quarantine_stuck, release_all, release_checked
+from ._fetch import FetchOptions, Fetched, quarantine_stuck
+from ._sources import DEPTH, acquire_lease, release_all, release_checked
 from ._metrics import Track, hub_metrics
 from ._reader import ReadStats, ShardReader, Source
 from ._session import Session

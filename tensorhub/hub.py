@@ -40,8 +40,9 @@ from ._exceptions import (
 )
 from ._fencing import LeaseClock, Quarantine
 from ._retry import jittered
-from ._fetch import RELEASE_GRACE as _RELEASE_GRACE, Fetch, FetchOptions, Fetched, acquire_lease, copy_held
-from ._fetch import QUARANTINE as _QUARANTINE, release_checked, release_lease  # noqa: F401 (tests use _QUARANTINE)
+from ._fetch import Fetch, FetchOptions, Fetched, copy_held
+from ._sources import RELEASE_GRACE as _RELEASE_GRACE, acquire_lease, release_checked, release_lease
+from ._sources import QUARANTINE as _QUARANTINE  # noqa: F401 (tests use _QUARANTINE)
 from ._holdings import Holdings
 from ._metrics import FetchProgress, Track, hub_metrics
 from ._session import Session

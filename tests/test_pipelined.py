@@ -84,7 +84,7 @@ class CheckedTransport(InMemoryTransport):
 
 @pytest.fixture(autouse=True)
 def _reset(monkeypatch):
-    from tensorhub import _chunkmap, _fetch
+    from tensorhub import _chunkmap, _sources
 
     with _LOCK:
         _COMPLETE.clear()
@@ -100,7 +100,7 @@ def _reset(monkeypatch):
             _MAPS.append(self.region)
 
     monkeypatch.setattr(_chunkmap.ChunkMap, "__init__", init)
-    publish = _fetch.PipelinedSources.publish_progress
+    publish = _sources.PipelinedSources.publish_progress
 
     def checked(self, force=False):
         """Every chunk about to be marked ready must be complete in the holder's memory."""
@@ -114,7 +114,7 @@ def _reset(monkeypatch):
                             _VIOLATIONS.append(f"{ep} marked chunk {c} ready before its bytes were complete")
         publish(self, force)
 
-    monkeypatch.setattr(_fetch.PipelinedSources, "publish_progress", checked)
+    monkeypatch.setattr(_sources.PipelinedSources, "publish_progress", checked)
     yield
 
 
