@@ -23,6 +23,7 @@ SGLang twin (tests/sglang/_sgl_pp_ranks.py) runs under the same :func:`run_engin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -116,6 +117,59 @@ def run_engine(tmp: Path, target: Callable, tp: int, pp: int, timeout: float = 4
             trainer.close()
 
 
+class PipelineChecks:
+    """What both adapters' pipeline tests check of one :func:`run_engine` run of a TP=2 x
+    PP=2 engine. A test module subclasses it (``class TestPipeline(PipelineChecks)``), gives
+    it an ``engine`` fixture and says how its adapter reports a swap: what a rank shows after
+    the refused swap (``nothing_applied``), what its swap call returns and what it applied."""
+
+    #: ``after_failed_swap`` besides the version: nothing reached the model.
+    nothing_applied: dict = {}
+
+    def swap_answer(self, engine: dict) -> object:
+        raise NotImplementedError
+
+    def applied(self, engine: dict) -> dict:
+        """Keys of ``after_swap`` besides the version, and what each must be: v2's bytes, once."""
+        raise NotImplementedError
+
+    @staticmethod
+    def ranks(engine: dict) -> dict:
+        crashed = {r: o["crash"] for r, o in engine["ranks"].items() if "crash" in o}
+        assert not crashed, crashed
+        assert engine["publish_error"] is None, engine["publish_error"]
+        return engine["ranks"]
+
+    def test_the_ranks_form_one_tp2_pp2_engine(self, engine):
+        places = sorted(tuple(o["place"]) for o in self.ranks(engine).values())
+        assert places == [(0, 0, 2, 2), (0, 1, 2, 2), (1, 0, 2, 2), (1, 1, 2, 2)]
+
+    def test_every_stage_loads_the_version_the_root_resolved(self, engine):
+        ranks = self.ranks(engine)
+        v1, v2 = engine["v1"], engine["v2"]
+        assert v2 == v1 + 1
+        # A newer version existed before any rank had its answer; every rank of both stages
+        # still got the one the root resolved.
+        assert {r: o["latest_after"] for r, o in ranks.items()} == {r: v2 for r in ranks}
+        assert {r: o["resolved"] for r, o in ranks.items()} == {r: v1 for r in ranks}
+
+    def test_one_rank_failing_refuses_the_swap_on_every_stage(self, engine):
+        v1 = engine["v1"]
+        for r, o in self.ranks(engine).items():
+            err = o["failed_swap"]
+            assert err is not None, f"rank {r} swapped although pp stage 1, tp rank 1 could not fetch"
+            assert "(pp stage 1, tp rank 1)" in err and "cannot read" in err, err
+            assert f"the engine keeps serving v{v1}" in err, err
+            assert o["after_failed_swap"] == {"version": v1, **self.nothing_applied}, (r, o["after_failed_swap"])
+
+    def test_then_every_stage_swaps_to_the_same_bytes(self, engine):
+        for r, o in self.ranks(engine).items():
+            assert o["swap"] == self.swap_answer(engine), (r, o["swap"])
+            assert o["after_swap"]["version"] == engine["v2"], (r, o["after_swap"]["version"])
+            for key, want in self.applied(engine).items():
+                assert o["after_swap"][key] == want, (r, key)
+
+
 def init_vllm(rank: int, tp: int, pp: int, init_file: str) -> None:
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
@@ -140,17 +194,11 @@ def run(rank: int, tp: int, pp: int, init_file: str, url: str, tmp: str, path: l
         os._exit(0)  # vLLM's groups and Mooncake threads: no orderly teardown needed here
 
 
-def steps(out: dict, url: str, tmp: Path) -> None:
+def resolve_racing(out: dict, st, tmp: Path) -> None:
+    """Step 1 of both adapters' ranks: resolve "latest" while a newer version is published
+    between the stages' queries (``run_engine`` publishes once stage 0 has its answer)."""
     from integrations._core import load, worker
-    from integrations._core.settings import Settings
-    from integrations.vllm import _runtime, transfer
 
-    st = _runtime.connect(Settings.from_config({
-        "coordinator": url, "model": MODEL, "native": False, "worker_id": "pp-engine",
-        "fetch_timeout": 120, "drain_timeout": 10}))
-    out["place"] = [st.pp_rank, st.rank, st.pp_size, st.tp_size]
-
-    # 1. resolve "latest" while a newer version is published between the stages' queries.
     real = worker._resolve_here
 
     def racing(st_, *a):
@@ -170,20 +218,42 @@ def steps(out: dict, url: str, tmp: Path) -> None:
     out["latest_after"] = st.hub.latest(MODEL)
     st.version, st.specs = out["resolved"], load.specs_of(weights(0))  # as if the loader had loaded it
 
-    eng = Engine(st)
-    # 2. swap to "latest" while one rank of stage 1 cannot fetch it.
+
+@contextlib.contextmanager
+def failing_fetch(st):
+    """Step 2: pp stage 1, tp rank 1 cannot fetch while inside."""
+    from integrations._core import worker
+
     real_fetch = worker.fetch
     if (st.pp_rank, st.rank) == (1, 1):
         def failing(st_, v, *args, **kwargs):
             raise RuntimeError(f"injected: pp stage 1, tp rank 1 cannot read v{v}")
         worker.fetch = failing
     try:
-        eng.receive_weights(transfer.TensorHubUpdateInfo(version="latest"))
-        out["failed_swap"] = None
-    except Exception as e:
-        out["failed_swap"] = str(e)
+        yield
     finally:
         worker.fetch = real_fetch
+
+
+def steps(out: dict, url: str, tmp: Path) -> None:
+    from integrations._core.settings import Settings
+    from integrations.vllm import _runtime, transfer
+
+    st = _runtime.connect(Settings.from_config({
+        "coordinator": url, "model": MODEL, "native": False, "worker_id": "pp-engine",
+        "fetch_timeout": 120, "drain_timeout": 10}))
+    out["place"] = [st.pp_rank, st.rank, st.pp_size, st.tp_size]
+
+    resolve_racing(out, st, tmp)  # 1.
+
+    eng = Engine(st)
+    # 2. swap to "latest" while one rank of stage 1 cannot fetch it.
+    with failing_fetch(st):
+        try:
+            eng.receive_weights(transfer.TensorHubUpdateInfo(version="latest"))
+            out["failed_swap"] = None
+        except Exception as e:
+            out["failed_swap"] = str(e)
     out["after_failed_swap"] = {"version": st.version, "applied": len(eng.applied)}
 
     # 3. the same swap with every rank able to fetch.

@@ -63,9 +63,8 @@ def run(rank: int, tp: int, pp: int, init_file: str, url: str, tmp: str, path: l
 
 
 def steps(out: dict, url: str, tmp: Path) -> None:
-    from _pp_ranks import MODEL, wait_for, weights
+    from _pp_ranks import MODEL, failing_fetch, resolve_racing
 
-    from integrations._core import load, worker
     from integrations._core.settings import Settings
     from integrations.sglang import _runtime, pull
 
@@ -74,40 +73,16 @@ def steps(out: dict, url: str, tmp: Path) -> None:
         "fetch_timeout": 120, "drain_timeout": 10}))
     out["place"] = [st.pp_rank, st.rank, st.pp_size, st.tp_size]
 
-    # 1. resolve "latest" while a newer version is published between the stages' queries.
-    real = worker._resolve_here
-
-    def racing(st_, *a):
-        if st_.pp_rank > 0:
-            wait_for(tmp / "published")
-        v = real(st_, *a)
-        if st_.pp_rank == 0:
-            (tmp / "resolved").write_text(str(v))
-            wait_for(tmp / "published")
-        return v
-
-    worker._resolve_here = racing
-    try:
-        out["resolved"] = worker.resolve(st, "latest")
-    finally:
-        worker._resolve_here = real
-    out["latest_after"] = st.hub.latest(MODEL)
-    st.version, st.specs = out["resolved"], load.specs_of(weights(0))  # as if the loader had loaded it
+    resolve_racing(out, st, tmp)  # 1.
 
     model = Model()
     # 2. swap to "latest" while one rank of stage 1 cannot fetch it.
-    real_fetch = worker.fetch
-    if (st.pp_rank, st.rank) == (1, 1):
-        def failing(st_, v, *args, **kwargs):
-            raise RuntimeError(f"injected: pp stage 1, tp rank 1 cannot read v{v}")
-        worker.fetch = failing
-    try:
-        pull.swap(st, model, "latest")
-        out["failed_swap"] = None
-    except Exception as e:
-        out["failed_swap"] = str(e)
-    finally:
-        worker.fetch = real_fetch
+    with failing_fetch(st):
+        try:
+            pull.swap(st, model, "latest")
+            out["failed_swap"] = None
+        except Exception as e:
+            out["failed_swap"] = str(e)
     out["after_failed_swap"] = {"version": st.version, "load_calls": model.calls}
 
     # 3. the same swap with every rank able to fetch.
