@@ -73,3 +73,28 @@ def make_model_dir(path: Path, seed: int = 0, weights: bool = True) -> Path:
     if weights:
         save_file(make_weights(seed), str(path / "model.safetensors"))
     return path
+
+
+def save_model_dir(path: Path, weights: dict) -> Path:
+    """A model directory (config, tokenizer) with ``weights`` as its weight file."""
+    from safetensors.torch import save_file
+
+    d = make_model_dir(path, weights=False)
+    save_file(weights, str(d / "model.safetensors"))
+    return d
+
+
+def changed_weights(prev: dict, seed: int, frac: float = 0.03) -> dict:
+    """``prev`` with ``frac`` of each tensor's elements changed (seeded): what one training
+    step does to a policy, for the delta tests."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, t in prev.items():
+        t = t.clone()
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(frac * flat.numel()))]
+        flat[idx] += 0.5 * torch.randn(idx.numel(), generator=g)
+        out[k] = t
+    return out

@@ -16,33 +16,11 @@ import time
 import pytest
 
 from _engines import Coordinator, OfflineEngine, reference_outputs, require_vllm
-from _tiny import PROMPTS, make_model_dir, make_weights
+from _tiny import PROMPTS, changed_weights, make_model_dir, make_weights, save_model_dir
 
 pytestmark = pytest.mark.engine
 
 MODEL = "policy"
-
-
-def _changed(prev: dict, seed: int, frac: float = 0.03) -> dict:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for k, t in prev.items():
-        t = t.clone()
-        flat = t.view(-1)
-        idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(frac * flat.numel()))]
-        flat[idx] += 0.5 * torch.randn(idx.numel(), generator=g)
-        out[k] = t
-    return out
-
-
-def _save_dir(path, weights: dict):
-    from safetensors.torch import save_file
-
-    d = make_model_dir(path, weights=False)
-    save_file(weights, str(d / "model.safetensors"))
-    return d
 
 
 def _swap(a: OfflineEngine, v: int) -> None:
@@ -67,7 +45,7 @@ def _prefetched(trainer, a: OfflineEngine, worker: str, v: int, timeout: float =
 
 def _reference(tmp, name: str, weights: dict) -> dict:
     """What a fresh engine answers on ``weights`` saved as weight files (one shared engine)."""
-    return reference_outputs(_save_dir(tmp / name, weights), PROMPTS)
+    return reference_outputs(save_model_dir(tmp / name, weights), PROMPTS)
 
 
 def test_vllm_swaps_through_a_delta_and_falls_back_on_a_bad_one(tmp_path, monkeypatch):
@@ -90,7 +68,7 @@ def test_vllm_swaps_through_a_delta_and_falls_back_on_a_bad_one(tmp_path, monkey
         a.call("init_weight_transfer_engine", init_info={})
         trainer = tensorhub.connect(coord.url, worker_id="trainer")
 
-        w2 = _changed(w1, 2)
+        w2 = changed_weights(w1, 2)
         v2 = trainer.publish(MODEL, w2, base=1, base_tensors=w1)
         delta = sum(s.nbytes for s in trainer.manifest(MODEL, v2, layout="delta:1"))
         full = sum(t.numel() * 4 for t in w2.values())
@@ -117,7 +95,7 @@ def test_vllm_swaps_through_a_delta_and_falls_back_on_a_bad_one(tmp_path, monkey
             return _delta.Encoded(bytes(b), e.mode, e.changed, e.elements)
 
         monkeypatch.setattr(_delta, "encode", wrong)
-        w3 = _changed(w2, 3)
+        w3 = changed_weights(w2, 3)
         v3 = trainer.publish(MODEL, w3, base=v2, base_tensors=w2)
         monkeypatch.setattr(_delta, "encode", real)
         assert _prefetched(trainer, a, "engine-a", v3) == {"hf"}  # the bad delta is not served on
@@ -159,14 +137,14 @@ def test_a_non_serving_tp_rank_swaps_through_a_delta_into_its_kept_copy(tmp_path
         tp.call("init_weight_transfer_engine", init_info={})
         assert "tensorhub: streamed policy v1 (hf)" in tp.log_tail(400_000)  # rank 1 kept no copy of v1
 
-        w2 = _changed(w1, 2)
+        w2 = changed_weights(w1, 2)
         assert trainer.publish(MODEL, w2, base=1) == 2
         _swap(tp, 2)
         log = tp.log_tail(400_000)
         assert "worker engine-tp-tp0 fetched policy v2 layout hf shard 0 through delta v1->v2" in log, log[-3000:]
         assert "worker engine-tp-tp1 fetched policy v2 layout hf shard 0 through delta" not in log  # no base yet
 
-        w3 = _changed(w2, 3)
+        w3 = changed_weights(w2, 3)
         assert trainer.publish(MODEL, w3, base=2) == 3
         _swap(tp, 3)
         log = tp.log_tail(400_000)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import pytest
 
-from _sglang_procs import SGLangWorker, reference_digest, require_sglang
+from _sglang_procs import SGLangWorker, reference_digest, require_sglang  # also puts tests/engine on sys.path
+
+from _tiny import changed_weights, save_model_dir  # noqa: E402  (tests/engine)
 
 pytestmark = [pytest.mark.engine, pytest.mark.multiprocess]
 
@@ -31,29 +33,9 @@ def _need_sglang():
     require_sglang()
 
 
-def _changed(prev: dict, seed: int, frac: float = 0.03) -> dict:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for k, t in prev.items():
-        t = t.clone()
-        flat = t.view(-1)
-        idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(frac * flat.numel()))]
-        flat[idx] += 0.5 * torch.randn(idx.numel(), generator=g)
-        out[k] = t
-    return out
-
-
 def _ref(tmp, name: str, weights: dict) -> dict:
     """Parameter digests of SGLang's default loader on ``weights`` saved as safetensors."""
-    from safetensors.torch import save_file
-
-    from _tiny import make_model_dir
-
-    d = make_model_dir(tmp / name, weights=False)
-    save_file(weights, str(d / "model.safetensors"))
-    return reference_digest(d)
+    return reference_digest(save_model_dir(tmp / name, weights))
 
 
 def _update(w: SGLangWorker, v: int) -> None:
@@ -85,7 +67,7 @@ def test_sglang_swaps_through_deltas_and_falls_back_on_a_bad_one(tmp_path, monke
         workers.append(a)
         assert a.call("held")["copy"] is True  # the serving rank keeps v1's hf copy: the delta base
 
-        w2 = _changed(w1, 2)
+        w2 = changed_weights(w1, 2)
         assert trainer.publish(MODEL, w2, base=1) == 2
         full = sum(t.numel() * t.element_size() for t in w2.values())
         assert sum(s.nbytes for s in trainer.manifest(MODEL, 2, layout="delta:1")) < 0.15 * full
@@ -97,7 +79,7 @@ def test_sglang_swaps_through_deltas_and_falls_back_on_a_bad_one(tmp_path, monke
         workers.append(b)
         hb = b.call("held")
         assert hb["version"] == 2 and hb["copy"] is False  # read A's native shard raw: no hf base
-        w3 = _changed(w2, 3)
+        w3 = changed_weights(w2, 3)
         assert trainer.publish(MODEL, w3, base=2) == 3
         _update(b, 3)  # no base: the full hf version; B then serves v3 natively
         assert "through delta" not in b.log_tail(400_000)
@@ -119,7 +101,7 @@ def test_sglang_swaps_through_deltas_and_falls_back_on_a_bad_one(tmp_path, monke
             return _delta.Encoded(bytes(blob), e.mode, e.changed, e.elements)
 
         monkeypatch.setattr(_delta, "encode", wrong)
-        w4 = _changed(w3, 4)
+        w4 = changed_weights(w3, 4)
         assert trainer.publish(MODEL, w4, base=3) == 4
         monkeypatch.setattr(_delta, "encode", real)
         _update(a, 4)
