@@ -316,7 +316,7 @@ def loopback(args: argparse.Namespace) -> int:
             del out
             return dt
 
-        from tensorhub.transport import _shm
+        from tensorhub.transport import _arena
 
         def t_same() -> float:
             t0 = time.perf_counter()
@@ -331,7 +331,7 @@ def loopback(args: argparse.Namespace) -> int:
             return dt
 
         def t_same_cold() -> float:  # new memory never touched before: every page faults
-            _shm.trim(0)
+            _arena.trim(0)
             return t_same_new()
 
         cases = {"memcpy": t_memcpy, "memcpy-new": t_memcpy_new, "mooncake": t_mooncake,

@@ -101,13 +101,13 @@ def allocate_like(manifest: Manifest, device: str = "cpu") -> tuple[Any, dict[st
 
 def _empty_bytes(nbytes: int, device: str) -> Any:
     """Bytes the Hub allocates: on CPU a memfd arena that same-host readers can copy from
-    (``transport/_shm``; pooled, so a reuse pays no page faults), else ``torch.empty``."""
+    (``transport/_arena``; pooled, so a reuse pays no page faults), else ``torch.empty``."""
     import torch
 
     if device == "cpu" and envs.TENSORHUB_SAMEHOST:
-        from .transport import _shm
+        from .transport import _arena
 
-        return _shm.empty(nbytes)
+        return _arena.empty(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 

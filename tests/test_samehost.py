@@ -234,10 +234,10 @@ def test_transport_copies_covered_batches_and_passes_the_rest_on():
 
     from tensorhub._reader import Source
     from tensorhub.transport import DONE, PENDING, MooncakeTransport, ReadOp
-    from tensorhub.transport import _shm
+    from tensorhub.transport import _arena, _shm
 
     asked = []
-    arena = _shm.empty(8 * MiB)
+    arena = _arena.empty(8 * MiB)
     arena.copy_(torch.randint(0, 255, (8 * MiB,), dtype=torch.uint8))
     plain = torch.randint(0, 255, (1 * MiB,), dtype=torch.uint8)
 

@@ -31,7 +31,7 @@ from tensorhub._state import CoordinatorState, StateConfig
 from tensorhub.protocol import AcquireLease, LeaseGrant, Locality, Manifest, RegisterReplica, TensorSpec, lease_proof
 from tensorhub.testing import InMemoryTransport
 from tensorhub.transport import DONE, PENDING, ReadOp
-from tensorhub.transport import _shm
+from tensorhub.transport import _arena as _arena_mod, _shm
 from tensorhub.transport._shm import SameHostTransport, host_identity, socket_name
 
 MiB = 1 << 20
@@ -155,7 +155,7 @@ class Listener:
 def _arena(nbytes: int, fill: int = 0):
     import torch
 
-    a = _shm.empty(nbytes)
+    a = _arena_mod.empty(nbytes)
     a.copy_(torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8) + fill)
     return a
 
