@@ -17,6 +17,9 @@ import pytest
 from tensorhub._reader import ShardReader, Source
 from tensorhub.transport._base import DONE, PENDING
 
+# What these check tilts on a loaded machine: scripts/test.sh runs them with no other test beside them.
+pytestmark = pytest.mark.alone
+
 
 class _TimedReads:
     """Each read batch ends ``seconds`` (+- ``jitter`` of it, seeded) after it was
