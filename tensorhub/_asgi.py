@@ -114,7 +114,8 @@ class _Guard:
     ten times its size in memory (a 48 MiB manifest of a million tiny tensors peaks near
     500 MiB before it is refused), so concurrent large requests cannot multiply that.
 
-    The readers' and publishers' calls (``protocol.routes``: the routes with a ``gate`` rank) pass a gate of ``GATE_SLOTS``
+    The readers' and publishers' calls (``protocol.routes``: the routes with a ``gate``
+    rank) pass a gate of ``GATE_SLOTS``
     (``_Gate``): the event loop runs ready requests first come first served, so without it
     a heartbeat that arrives just after a publish waits behind every reader's resolve,
     manifest GET and lease (1,024 readers: about a second of the loop); now behind at most
@@ -199,7 +200,8 @@ class _Guard:
 def _held(scope: Any) -> bool:
     """A lease asked ahead (``?wait=``): held for up to a minute, so it takes no turn of the
     large bodies' one-at-a-time parsing (a publisher's registration would wait behind it)."""
-    return scope["method"] == _LEASES.method and scope["path"] == _LEASES.path and b"wait=" in scope.get("query_string", b"")
+    return (scope["method"] == _LEASES.method and scope["path"] == _LEASES.path
+            and b"wait=" in scope.get("query_string", b""))
 
 
 class _FastHeartbeat:

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ._exceptions import ConflictError, NotFoundError
-from .protocol.routes import ROUTES
 from .protocol import FLEET_ID, FleetApplied, FleetJoin, FleetReady, FleetSwitch
 
 __all__ = ["FleetGroups", "FleetJoin", "FleetReady", "FleetApplied", "FleetSwitch", "add_routes",
@@ -328,43 +327,39 @@ class FleetGroups:
         return _Collector()
 
 
-def add_routes(app: Any, fleets: FleetGroups) -> None:
-    """The fleet routes on the coordinator's app (``/v1/fleets/...``)."""
+def add_routes(fleets: FleetGroups, on: Callable[[str], Any]) -> None:
+    """The fleet routes (``/v1/fleets/...``), each registered by ``on(route name)``."""
     from fastapi import Path, Query
 
     gid = Path(pattern=FLEET_ID)
 
-    def _on(name: str) -> Any:
-        r = ROUTES[name]
-        return app.api_route(r.path, methods=[r.method])
-
-    @_on("fleet_join")
+    @on("fleet_join")
     def fleet_join(req: FleetJoin, group: str = gid) -> dict:
         """A follow process joins (or refreshes) its engine in a fleet group."""
         return fleets.join(group, req)
 
-    @_on("fleet_ready")
+    @on("fleet_ready")
     def fleet_ready(req: FleetReady, group: str = gid) -> dict:
         """A member's engine holds the version (prefetched): ready to apply."""
         return fleets.ready(group, req)
 
-    @_on("fleet_switch")
+    @on("fleet_switch")
     def fleet_switch(req: FleetSwitch, group: str = gid) -> dict:
         """The caller asks the group to switch to a version (two phases; see ``Hub.fleet_switch``)."""
         return fleets.switch(group, req)
 
-    @_on("fleet_round")
+    @on("fleet_round")
     def fleet_round(group: str = gid, version: int = Path(ge=0),
                     member: Optional[str] = Query(default=None, pattern=FLEET_ID)) -> dict:
         """A round's state: ready, apply (its go and left lists fixed) or done."""
         return fleets.round(group, version, member)
 
-    @_on("fleet_applied")
+    @on("fleet_applied")
     def fleet_applied(req: FleetApplied, group: str = gid) -> dict:
         """A go member's swap outcome."""
         return fleets.applied(group, req)
 
-    @_on("fleet")
+    @on("fleet")
     def fleet_view(group: str = gid) -> dict:
         """A fleet group: members (version, in or out and why), rounds, mixed, counts."""
         return fleets.view(group)

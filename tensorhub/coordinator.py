@@ -304,7 +304,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
                     + ("" if req.apply_seconds is None else f", apply {req.apply_seconds:.3f}s") + ")")
         return {}
 
-    add_fleet_routes(app, coord.fleets)
+    add_fleet_routes(coord.fleets, lambda name: _on(app, name))
 
     @_on(app, "metrics", response_class=_PrometheusText,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})

@@ -1,6 +1,6 @@
 """Arenas (the holder side of same-host reads, ``_shm``). CPU memory the Hub allocates
-(fetched copies, the retained copy, snapshot buffers from ``Hub.empty_like``) is a ``memfd_create`` file mapped
-shared: an *arena*. ``empty(nbytes)`` returns a uint8 tensor over one. When the last
+(fetched copies, the retained copy, snapshot buffers from ``Hub.empty_like``) is a
+``memfd_create`` file mapped shared: an *arena*. ``empty(nbytes)`` returns a uint8 tensor over one. When the last
 tensor viewing an arena dies, the arena goes back to a small pool (its pages already
 faulted in) instead of being unmapped, so the next fetch into new memory of a similar
 size pays no first-touch page faults (these cost ~1 s/GiB on the test VMs, more than

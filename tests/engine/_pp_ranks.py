@@ -235,6 +235,27 @@ def failing_fetch(st):
         worker.fetch = real_fetch
 
 
+def three_steps(out: dict, st, tmp: Path, swap: Callable[[], object], applied: Callable[[bool], dict]) -> None:
+    """Both adapters' ranks: 1. resolve "latest" in a race with a publish; 2. ``swap()`` to it
+    while pp stage 1, tp rank 1 cannot fetch; 3. ``swap()`` again with every rank able to.
+    ``applied(whole)``: what reached the model (a count after step 2, the record after 3)."""
+    out["place"] = [st.pp_rank, st.rank, st.pp_size, st.tp_size]
+    resolve_racing(out, st, tmp)
+    with failing_fetch(st):
+        try:
+            swap()
+            out["failed_swap"] = None
+        except Exception as e:
+            out["failed_swap"] = str(e)
+    out["after_failed_swap"] = {"version": st.version, **applied(False)}
+    try:
+        out["swap"] = swap()
+    except Exception as e:
+        out["swap"] = str(e)
+    out["after_swap"] = {"version": st.version, **applied(True)}
+    st.hub.close()
+
+
 def steps(out: dict, url: str, tmp: Path) -> None:
     from integrations._core.settings import Settings
     from integrations.vllm import _runtime, transfer
@@ -242,28 +263,9 @@ def steps(out: dict, url: str, tmp: Path) -> None:
     st = _runtime.connect(Settings.from_config({
         "coordinator": url, "model": MODEL, "native": False, "worker_id": "pp-engine",
         "fetch_timeout": 120, "drain_timeout": 10}))
-    out["place"] = [st.pp_rank, st.rank, st.pp_size, st.tp_size]
-
-    resolve_racing(out, st, tmp)  # 1.
-
     eng = Engine(st)
-    # 2. swap to "latest" while one rank of stage 1 cannot fetch it.
-    with failing_fetch(st):
-        try:
-            eng.receive_weights(transfer.TensorHubUpdateInfo(version="latest"))
-            out["failed_swap"] = None
-        except Exception as e:
-            out["failed_swap"] = str(e)
-    out["after_failed_swap"] = {"version": st.version, "applied": len(eng.applied)}
-
-    # 3. the same swap with every rank able to fetch.
-    try:
-        eng.receive_weights(transfer.TensorHubUpdateInfo(version="latest"))
-        out["swap"] = None
-    except Exception as e:
-        out["swap"] = str(e)
-    out["after_swap"] = {"version": st.version, "applied": eng.applied}
-    st.hub.close()
+    three_steps(out, st, tmp, lambda: eng.receive_weights(transfer.TensorHubUpdateInfo(version="latest")),
+                lambda whole: {"applied": eng.applied if whole else len(eng.applied)})
 
 
 def _engine_class():

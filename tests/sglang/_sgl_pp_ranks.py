@@ -63,7 +63,7 @@ def run(rank: int, tp: int, pp: int, init_file: str, url: str, tmp: str, path: l
 
 
 def steps(out: dict, url: str, tmp: Path) -> None:
-    from _pp_ranks import MODEL, failing_fetch, resolve_racing
+    from _pp_ranks import MODEL, three_steps
 
     from integrations._core.settings import Settings
     from integrations.sglang import _runtime, pull
@@ -71,24 +71,6 @@ def steps(out: dict, url: str, tmp: Path) -> None:
     st = _runtime.connect(Settings.from_config({
         "coordinator": url, "model": MODEL, "native": False, "worker_id": "pp-sglang",
         "fetch_timeout": 120, "drain_timeout": 10}))
-    out["place"] = [st.pp_rank, st.rank, st.pp_size, st.tp_size]
-
-    resolve_racing(out, st, tmp)  # 1.
-
     model = Model()
-    # 2. swap to "latest" while one rank of stage 1 cannot fetch it.
-    with failing_fetch(st):
-        try:
-            pull.swap(st, model, "latest")
-            out["failed_swap"] = None
-        except Exception as e:
-            out["failed_swap"] = str(e)
-    out["after_failed_swap"] = {"version": st.version, "load_calls": model.calls}
-
-    # 3. the same swap with every rank able to fetch.
-    try:
-        out["swap"] = list(pull.swap(st, model, "latest"))
-    except Exception as e:
-        out["swap"] = str(e)
-    out["after_swap"] = {"version": st.version, "loaded": model.loaded}
-    st.hub.close()
+    three_steps(out, st, tmp, lambda: list(pull.swap(st, model, "latest")),
+                lambda whole: {"loaded": model.loaded} if whole else {"load_calls": model.calls})
