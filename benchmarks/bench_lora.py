@@ -57,7 +57,7 @@ from rl_task import NEW_TOKENS, make_model_dir, probes  # noqa: E402
 
 from demo import Children  # noqa: E402  (after rl_loop_lora: puts the checkout on sys.path)
 
-# The worker's line per adapter read (integrations/vllm/lora.py).
+# The worker's line per adapter read (tensorhub/integrations/vllm/lora.py).
 _READ = re.compile(r"tensorhub: LoRA adapter tensorhub://(\S+)/(\d+) \(\S+\): \d+ tensors, ([\d.]+) MB read in "
                    r"([\d.]+)s from (\{[^}]*\}|this worker's copy)( through delta\(s\) .*)?$", re.M)
 

@@ -62,7 +62,7 @@ def child(mode: str, url: str, mib: int, layers: int) -> dict:
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     import tensorhub
-    from integrations.vllm.trainer import TensorHubTrainerInitInfo
+    from tensorhub.integrations.vllm.trainer import TensorHubTrainerInitInfo
 
     per = (mib << 20) // (layers * 4) // 4  # 4 tensors per layer, float32
     params = {f"model.layers.{i}.{w}": torch.randn(per) for i in range(layers) for w in ("q", "k", "v", "o")}

@@ -16,7 +16,7 @@ after saying so; exit 0 when they pass):
    tensors, into host memory (the default destination) and into new device tensors (and
    then serves them); reader C reads from A and B at once (striped). Every fetch is
    compared byte for byte on the device (``torch.equal`` on uint8 views).
-3. **Engine-native layout** (``integrations/vllm/_native.py`` on a small torch module, no
+3. **Engine-native layout** (``tensorhub/integrations/vllm/_native.py`` on a small torch module, no
    vLLM): a trainer publishes ``hf`` v1; engine E1 loads it and registers its parameters in
    place; engine E2 starts raw from E1's native shard; the trainer publishes v2; E2 holds a
    lease on E1's v1 while E1 swaps, and E1 must not write its parameters before E2
@@ -216,7 +216,7 @@ class Role:
         t = time.time()
         return {"valid": bool(self.hub._release(lease_id)), "at": t}
 
-    # -- engine-native layout (integrations/vllm/_native.py without vLLM)
+    # -- engine-native layout (tensorhub/integrations/vllm/_native.py without vLLM)
     def native_trainer_publish(self, seed: int, hidden: int, layers: int) -> dict:
         m = toy_model(seed, hidden, layers, self.device)
         hf = {k: t.clone() for k, t in _native().native_tensors(m).items()}  # the trainer's snapshot
@@ -303,14 +303,14 @@ class Role:
 
 
 def _native() -> Any:
-    from integrations.vllm import _native as nat
+    from tensorhub.integrations.vllm import _native as nat
 
     return nat
 
 
 def _copy_into(model: Any, got: Any) -> int:
     """What the vLLM adapter does with a fetched native shard (names, shapes, dtypes checked first)."""
-    from integrations._core.load import copy_into
+    from tensorhub.integrations._core.load import copy_into
 
     return copy_into(_native().native_tensors(model), got)
 

@@ -1418,7 +1418,7 @@ def kimi(args: argparse.Namespace) -> dict:
     place (``_sliced.publish``: layout ``hf.slices``, one shard per rank, nothing sent);
     ``--kimi-gpus`` inference GPUs (8 to a node, a ``--kimi-nic-gbps`` NIC each) each fetch the
     version in ``hf`` -- the whole of it: a hot-swap fetches every ``hf`` tensor on every rank
-    (``integrations/_core/load.py``) -- and, no assembled copy serving yet, are told
+    (``tensorhub/integrations/_core/load.py``) -- and, no assembled copy serving yet, are told
     ``read_slices`` (``_grants._check_sliced``) and land in ``_sliced.fetch``: a manifest GET
     per slice, then one thread per slice that leases it (no ``serve``: a slice being read is
     not offered to others), reads it straight from its holder (one source: no plan, no

@@ -226,7 +226,7 @@ class Engine:
             time.sleep(0.5)
 
     def weight_version(self) -> Optional[int]:
-        from integrations.vllm.follow import engine_version, engine_workers
+        from tensorhub.integrations.vllm.follow import engine_version, engine_workers
 
         v = engine_version(self.http)
         if v is None:  # before its first swap vLLM names no weight_version: its TensorHub workers do
@@ -258,7 +258,7 @@ class Engine:
 
     def swap(self, version: int) -> float:
         """Pause, update to ``version``, resume (the follow mode's swap); returns the stall."""
-        from integrations.vllm.follow import swap
+        from tensorhub.integrations.vllm.follow import swap
 
         if self.prefetch:  # as tensorhub follow does: pause once the engine holds the version
             self.wait_prefetched(version)

@@ -157,7 +157,7 @@ class LoraEngine:
 
     def loaded(self) -> list[int]:
         """Adapter versions the engine serves now (its ``/v1/models``)."""
-        from integrations.vllm.follow import LORA
+        from tensorhub.integrations.vllm.follow import LORA
 
         return LORA.loaded(self.http, ADAPTER)
 
@@ -184,7 +184,7 @@ class LoraEngine:
     def rollouts(self, model: str, prompts: list) -> tuple[int, list[dict]]:
         """Greedy rollouts of ``prompts`` with ``model``: (HTTP status, one record per rollout:
         its tokens and the versions the engine stamped it with)."""
-        from integrations.vllm.stamps import HEADER
+        from tensorhub.integrations.vllm.stamps import HEADER
 
         r = self.http.post("/v1/completions", json={
             "model": model, "prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
@@ -207,7 +207,7 @@ def adapter_version(model: str) -> int | None:
 
 def run(args: argparse.Namespace, url: str, work: Path, children: Children) -> list[dict]:
     import tensorhub
-    from integrations.vllm.lora import lora_name
+    from tensorhub.integrations.vllm.lora import lora_name
 
     _, _, prompts = probes()
     records: list[dict] = []

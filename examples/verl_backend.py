@@ -43,7 +43,7 @@ CONFIG = {
     "engine_kwargs": {"tensorhub": {"coordinator": None, "model": "policy"}},  # coordinator: set below
     # Not needed once tensorhub is installed (its verl.plugins entry point registers the backend
     # on `import verl`); named so the example also runs from a source checkout.
-    "custom_backend_module": "integrations.verl.engine",
+    "custom_backend_module": "tensorhub.integrations.verl.engine",
 }
 
 
@@ -159,7 +159,7 @@ def main() -> int:
             assert c.recv() == "ready"
         t, rollouts = conns[0], conns[1:]
 
-        import integrations.verl.engine  # noqa: F401  (the driver's import, as CheckpointEngineManager's)
+        import tensorhub.integrations.verl.engine  # noqa: F401  (the driver's import, as CheckpointEngineManager's)
         from verl.checkpoint_engine import CheckpointEngineRegistry
 
         backend = CheckpointEngineRegistry.get(CONFIG["backend"])

@@ -101,7 +101,7 @@ def main() -> int:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    from integrations.vllm.trainer import TensorHubTrainerInitInfo
+    from tensorhub.integrations.vllm.trainer import TensorHubTrainerInitInfo
     from tensorhub.coordinator import EmbeddedCoordinator
 
     torch.set_num_threads(1)  # two cores: leave one to the engine

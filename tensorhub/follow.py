@@ -9,7 +9,7 @@ workers are the ones ``--engine-worker`` names, else the ones the engine names i
 driver's ``workers`` query, asked once at start; vLLM answers through its dev route
 ``/collective_rpc``). Drivers register under the entry-point
 group ``tensorhub.engines`` (this package's ``pyproject.toml`` registers ``vllm`` and
-``sglang`` from ``integrations``); ``tensorhub`` itself imports no engine adapter. A driver
+``sglang`` from ``tensorhub.integrations``); the rest of ``tensorhub`` imports no engine adapter. A driver
 is picked by the ``--engine`` URL's prefix (``sglang+http://...``); the one with no prefix
 (vLLM) is the default.
 

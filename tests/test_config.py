@@ -83,8 +83,8 @@ def test_hub_runs_on_the_config_it_was_given(embedded):
 
 def test_engine_settings_take_several_coordinators(embedded):
     """HA: the adapters' start-up probe accepts a list and any answering coordinator will do."""
-    from integrations._core.settings import Settings, SettingsError
-    from integrations._core.worker import _probe
+    from tensorhub.integrations._core.settings import Settings, SettingsError
+    from tensorhub.integrations._core.worker import _probe
 
     dead = "http://127.0.0.1:1"
     s = Settings.from_config({"coordinator": f"{dead},{embedded.url}", "model": "m", "connect_timeout": 5})

@@ -140,7 +140,7 @@ def test_meta_survives_a_coordinator_restart(tmp_path):
 
 # ---------------------------------------------------------------- the vLLM hook's checks (no vLLM needed)
 def test_lora_paths_and_names():
-    from integrations.vllm import lora
+    from tensorhub.integrations.vllm import lora
 
     assert lora.lora_name("pol-lora", 3) == "pol-lora@v3" and lora.lora_path("pol-lora", 3) == "tensorhub://pol-lora/3"
     assert lora.parse_path("tensorhub://org/pol-lora/12") == ("org/pol-lora", 12)
@@ -151,7 +151,7 @@ def test_lora_paths_and_names():
 
 
 def test_the_hook_checks_base_kind_and_rank_with_one_error_each():
-    from integrations.vllm.lora import LoRAAdapterError, check_adapter
+    from tensorhub.integrations.vllm.lora import LoRAAdapterError, check_adapter
 
     meta = VersionMeta(kind="lora", base="pol", config=CONFIG)
     assert check_adapter("a", meta, "pol", 2, [], 8) == 4
@@ -171,7 +171,7 @@ def test_the_hook_checks_base_kind_and_rank_with_one_error_each():
 
 
 def test_a_plain_engine_opens_its_own_hub_from_the_environment(embedded, monkeypatch):
-    from integrations.vllm import lora
+    from tensorhub.integrations.vllm import lora
 
     monkeypatch.setenv("TENSORHUB_COORDINATOR", embedded.url)
     monkeypatch.setenv("TENSORHUB_WORKER_ID", "plain-engine")
@@ -186,7 +186,7 @@ def test_a_plain_engine_opens_its_own_hub_from_the_environment(embedded, monkeyp
 
 
 def test_kept_adapter_copies_are_bounded_and_older_ones_unpublished(connect):
-    from integrations.vllm import lora
+    from tensorhub.integrations.vllm import lora
 
     t, r = connect("trainer"), connect("engine")
     vs = [t.publish("pol-lora", adapter(i), kind="lora", base_model="pol", config=CONFIG) for i in range(4)]

@@ -1,11 +1,13 @@
 """The house's structure: dependencies point down, and there is no import circle.
 
-Reads the source (every ``import``, at module level or inside a function) of ``tensorhub``
-and ``integrations``; nothing is imported or run. Fails on ``tensorhub`` importing
-``integrations`` (engine adapters register through entry points instead), on one engine
+Reads the source (every ``import``, at module level or inside a function) of ``tensorhub``,
+the one top-level package the wheel installs (the engine adapters are
+``tensorhub.integrations.<engine>``); nothing is imported or run. Fails on the rest of
+``tensorhub`` importing the adapters (they register through entry points instead), on one engine
 adapter (vLLM, SGLang) or framework backend (verl) importing another, or the adapters' core
-importing any (what they share lives in ``integrations._core``), and on any circle of modules importing each other, naming the
-modules of each circle.
+importing any (what they share lives in ``tensorhub.integrations._core``), on an adapter
+importing a private tensorhub module, on the project declaring a second top-level package, and
+on any circle of modules importing each other, naming the modules of each circle.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tensorhub", "integrations")
+PACKAGES = ("tensorhub",)
+ADAPTERS = "tensorhub.integrations"
 
 
 def _modules() -> dict[str, Path]:
@@ -107,30 +110,45 @@ def _package_faces(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 def test_the_graph_is_read():
     g = _graph()
     assert "tensorhub._fetch" in g["tensorhub.hub"] and "tensorhub._session" in g["tensorhub._fetch"]
-    assert "tensorhub.follow" in g["integrations.vllm.follow"]
-    assert "integrations._core.worker" in g["integrations.sglang.pull"]
-    assert "integrations._core.worker" in g["integrations.verl.engine"]
+    assert "tensorhub.follow" in g[f"{ADAPTERS}.vllm.follow"]
+    assert f"{ADAPTERS}._core.worker" in g[f"{ADAPTERS}.sglang.pull"]
+    assert f"{ADAPTERS}._core.worker" in g[f"{ADAPTERS}.verl.engine"]
+
+
+def _adapter(module: str) -> bool:
+    return module == ADAPTERS or module.startswith(ADAPTERS + ".")
 
 
 def test_tensorhub_never_imports_the_engine_adapters():
-    bad = sorted((m, t) for m, deps in _graph().items() if m.startswith("tensorhub")
-                 for t in deps if t.startswith("integrations"))
-    assert not bad, f"tensorhub imports integrations (register a driver instead): {bad}"
+    bad = sorted((m, t) for m, deps in _graph().items() if not _adapter(m)
+                 for t in deps if _adapter(t))
+    assert not bad, f"tensorhub imports its engine adapters (register a driver instead): {bad}"
+
+
+def test_the_project_declares_one_top_level_package():
+    """The wheel installs ``tensorhub`` only (tests/test_wheel.py checks the built wheel):
+    no generic top-level name such as ``integrations`` that other distributions use too."""
+    import tomllib
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert find["include"] == ["tensorhub*"], find
+    tops = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
+    assert tops == ["tensorhub"], f"top-level packages in the checkout: {tops}"
 
 
 @pytest.mark.parametrize("engine, other", [("vllm", "sglang"), ("sglang", "vllm"), ("vllm", "verl"),
                                            ("verl", "vllm"), ("sglang", "verl"), ("verl", "sglang")])
 def test_an_engine_adapter_never_imports_the_other(engine, other):
-    """What both engines need is in the core (``integrations._core``), below both."""
-    bad = sorted((m, t) for m, deps in _graph().items() if m.startswith(f"integrations.{engine}")
-                 for t in deps if t.startswith(f"integrations.{other}"))
-    assert not bad, f"integrations.{engine} imports integrations.{other} (share it through integrations._core): {bad}"
+    """What both engines need is in the core (``tensorhub.integrations._core``), below both."""
+    bad = sorted((m, t) for m, deps in _graph().items() if m.startswith(f"{ADAPTERS}.{engine}")
+                 for t in deps if t.startswith(f"{ADAPTERS}.{other}"))
+    assert not bad, f"{engine} imports {other} (share it through {ADAPTERS}._core): {bad}"
 
 
 def test_the_adapters_core_imports_no_adapter():
-    bad = sorted((m, t) for m, deps in _graph().items() if m.startswith("integrations._core")
-                 for t in deps if t.startswith(("integrations.vllm", "integrations.sglang", "integrations.verl")))
-    assert not bad, f"integrations._core imports an engine adapter: {bad}"
+    bad = sorted((m, t) for m, deps in _graph().items() if m.startswith(f"{ADAPTERS}._core")
+                 for t in deps if t.startswith(tuple(f"{ADAPTERS}.{e}" for e in ("vllm", "sglang", "verl"))))
+    assert not bad, f"{ADAPTERS}._core imports an engine adapter: {bad}"
 
 
 def test_no_import_circle():
@@ -144,13 +162,15 @@ def test_a_circle_is_found_when_there_is_one():
 
 def _private_uses(path: Path) -> list[str]:
     """``tensorhub`` privates an adapter module imports: a ``_module`` on the path, or a
-    ``_name`` taken from a public one."""
+    ``_name`` taken from a public one. The adapters' own modules (``tensorhub.integrations``,
+    its ``_core`` among them) are theirs to import."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            out += [a.name for a in node.names if a.name.split(".")[0] == "tensorhub"
+            out += [a.name for a in node.names if a.name.split(".")[0] == "tensorhub" and not _adapter(a.name)
                     and any(p.startswith("_") for p in a.name.split("."))]
-        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "tensorhub":
+        elif (isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "tensorhub"
+              and not _adapter(node.module or "")):
             mod = node.module or ""
             out += [f"{mod}.{a.name}" for a in node.names
                     if any(p.startswith("_") for p in mod.split(".")) or a.name.startswith("_")]
@@ -161,13 +181,15 @@ def test_the_adapters_import_only_tensorhubs_public_names():
     """Adapters speak to tensorhub through its public modules (``tensorhub``, ``.protocol``,
     ``.coordinator``, ``.follow``, ``.config``, ``.envs``, ``.testing``, ...), never a
     ``_private`` module or name, so tensorhub's insides can move without breaking them."""
-    bad = {str(p.relative_to(ROOT)): u for p in (ROOT / "integrations").rglob("*.py") if (u := _private_uses(p))}
+    bad = {str(p.relative_to(ROOT)): u for p in (ROOT / "tensorhub" / "integrations").rglob("*.py")
+           if (u := _private_uses(p))}
     assert not bad, f"adapters import tensorhub privates: {bad}"
 
 
 def test_a_private_import_is_found(tmp_path):
     p = tmp_path / "m.py"
     p.write_text("import tensorhub._fetch\nfrom tensorhub.coordinator import _bind\nfrom tensorhub import _wire, hub\n"
-                 "def f():\n    from tensorhub._slices import SLICED\n")
+                 "def f():\n    from tensorhub._slices import SLICED\n"
+                 "from tensorhub.integrations._core import worker\nimport tensorhub.integrations._core.load\n")
     assert sorted(_private_uses(p)) == ["tensorhub._fetch", "tensorhub._slices.SLICED", "tensorhub._wire",
                                         "tensorhub.coordinator._bind"]

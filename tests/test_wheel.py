@@ -26,7 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = "tensorhub-ros"
-PACKAGES = ("tensorhub", "integrations")
+PACKAGES = ("tensorhub",)  # the one top-level package (the adapters: tensorhub.integrations)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -75,6 +75,11 @@ def dist(tmp_path_factory) -> dict:
     return {"wheel": wheels[0], "sdist": sdists[0]}
 
 
+def z_read(wheel: Path, name: str) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        return z.read(name).decode()
+
+
 def test_sdist_and_wheel_pass_twine_check(dist):
     r = _run([sys.executable, "-m", "twine", "check", "--strict", dist["sdist"], dist["wheel"]], timeout=120)
     assert r.stdout.count("PASSED") == 2, r.stdout
@@ -92,6 +97,13 @@ def test_wheel_holds_every_module_entry_point_and_extra(dist):
         eps.read_string(z.read(f"{info}/entry_points.txt").decode())
     missing = _modules() - names
     assert not missing, f"modules missing from the wheel: {sorted(missing)}"
+    # one top-level package, tensorhub; beside it only its metadata and the one-line .pth
+    # that keeps the adapters' old paths (integrations.<engine>) importing for one release
+    from tensorhub.integrations import _legacy
+
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"tensorhub", info, _legacy.PTH_NAME}, sorted(tops)
+    assert z_read(dist["wheel"], _legacy.PTH_NAME) == _legacy.PTH_LINE
     headers = [line.split(": ", 1) for line in metadata.split("\n\n", 1)[0].splitlines() if ": " in line]
     assert ["Name", DIST] in headers
     assert ["Version", project["version"]] in headers
@@ -107,7 +119,7 @@ def test_wheel_holds_every_module_entry_point_and_extra(dist):
     want.update({(group, k): v for group, table in project["entry-points"].items() for k, v in table.items()})
     assert got == want
     assert got[("console_scripts", "tensorhub")] == "tensorhub.cli:main"
-    assert got[("vllm.general_plugins", "tensorhub")] == "integrations.vllm:register"
+    assert got[("vllm.general_plugins", "tensorhub")] == "tensorhub.integrations.vllm:register"
     import tarfile
 
     with tarfile.open(dist["sdist"]) as t:
@@ -137,13 +149,13 @@ def test_installed_wheel_runs_the_quickstart_outside_the_source_tree(venv, tmp_p
         assert sub in r.stdout, r.stdout
     # the installed package, not this checkout; its metadata under the new name
     probe = textwrap.dedent(f"""
-        import importlib.metadata as md, json, tensorhub, integrations.vllm, integrations.sglang
+        import importlib.metadata as md, json, tensorhub, tensorhub.integrations.vllm, tensorhub.integrations.sglang
         eps = {{g: {{e.name: e.value for e in md.entry_points(group=g)}}
                for g in ("vllm.general_plugins", "sglang.srt.plugins", "tensorhub.engines")}}
         for g in eps:
             for e in md.entry_points(group=g):
                 e.load()  # the plug-in hooks import without vLLM / SGLang
-        print(json.dumps({{"file": tensorhub.__file__, "integrations": integrations.vllm.__file__,
+        print(json.dumps({{"file": tensorhub.__file__, "integrations": tensorhub.integrations.vllm.__file__,
                           "version": md.version({DIST!r}), "own": tensorhub.__version__,
                           "requires": md.requires({DIST!r}), "eps": eps}}))
     """)
@@ -152,7 +164,7 @@ def test_installed_wheel_runs_the_quickstart_outside_the_source_tree(venv, tmp_p
     got = json.loads(_run([py, "-c", probe], timeout=60, cwd=tmp_path, env=env).stdout)
     assert got["file"].startswith(str(venv)) and got["integrations"].startswith(str(venv)), got
     assert got["version"] == got["own"] == _pyproject()["project"]["version"]
-    assert got["eps"]["vllm.general_plugins"] == {"tensorhub": "integrations.vllm:register"}
+    assert got["eps"]["vllm.general_plugins"] == {"tensorhub": "tensorhub.integrations.vllm:register"}
     assert set(got["eps"]["tensorhub.engines"]) == {"vllm", "sglang"}
     # the quick start: a coordinator through the console script, a trainer publishes (README
     # "Use it"), `tensorhub fetch` reads it over Mooncake, `tensorhub status` shows the holders
@@ -197,3 +209,48 @@ def test_installed_wheel_runs_the_quickstart_outside_the_source_tree(venv, tmp_p
     r = _run([py, ROOT / "examples/quickstart.py", "--versions", "2", "--mib", "8"],
              timeout=300, cwd=tmp_path, env=env)
     assert "all bytes verified" in r.stdout, r.stdout
+
+
+def test_installed_wheel_keeps_the_old_adapter_paths_for_one_release(venv, tmp_path):
+    """``integrations.<engine>...`` (what users wrote in configs before the adapters moved into
+    ``tensorhub.integrations``) imports from the installed wheel, with a FutureWarning naming the
+    new path, as the very same module objects; ``python -m`` runs the old path; another
+    distribution's top-level ``integrations`` package wins over the alias."""
+    env = _clean_env()
+    py = venv / "bin/python"
+    probe = textwrap.dedent("""
+        import importlib, warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            # vLLM's --middleware integrations.vllm.stamps.WeightVersionMiddleware
+            import integrations.vllm.stamps as old
+            import tensorhub.integrations.vllm.stamps as new
+            assert old is new, (old, new)
+            assert old.WeightVersionMiddleware is new.WeightVersionMiddleware
+            # what vLLM / verl do with a dotted path from a config
+            settings = importlib.import_module("integrations.verl.settings")
+            assert settings is importlib.import_module("tensorhub.integrations.verl.settings")
+            from integrations.sglang import follow
+            assert follow.DRIVER is importlib.import_module("tensorhub.integrations.sglang.follow").DRIVER
+        said = sorted({str(w.message) for w in caught if w.category is FutureWarning})
+        assert any("use 'tensorhub.integrations.vllm.stamps'" in m for m in said), said
+        assert any("use 'tensorhub.integrations.verl.settings'" in m for m in said), said
+        try:
+            import integrations.nothing_here
+        except ModuleNotFoundError as e:
+            print("missing:", e.name)
+        print("same modules")
+    """)
+    r = _run([py, "-c", probe], timeout=120, cwd=tmp_path, env=env)
+    assert "same modules" in r.stdout and "missing: integrations.nothing_here" in r.stdout, r.stdout + r.stderr
+    # python -m with the old path: runpy runs the new module's code, after the warning
+    r = _run([py, "-m", "integrations.sglang.seed", "--help"], timeout=120, cwd=tmp_path, env=env)
+    assert "--coordinator" in r.stdout, r.stdout
+    assert "FutureWarning" in r.stderr and "'tensorhub.integrations.sglang.seed'" in r.stderr, r.stderr
+    # another distribution's `integrations` on sys.path is the user's: the alias stays out of it
+    other = tmp_path / "other" / "integrations"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("MINE = True\n")
+    r = _run([py, "-W", "error::FutureWarning", "-c", "import integrations; assert integrations.MINE; print('theirs')"],
+             timeout=60, cwd=tmp_path, env={**env, "PYTHONPATH": str(other.parent)})
+    assert "theirs" in r.stdout, r.stdout

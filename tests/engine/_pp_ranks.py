@@ -197,7 +197,7 @@ def run(rank: int, tp: int, pp: int, init_file: str, url: str, tmp: str, path: l
 def resolve_racing(out: dict, st, tmp: Path) -> None:
     """Step 1 of both adapters' ranks: resolve "latest" while a newer version is published
     between the stages' queries (``run_engine`` publishes once stage 0 has its answer)."""
-    from integrations._core import load, worker
+    from tensorhub.integrations._core import load, worker
 
     real = worker._resolve_here
 
@@ -222,7 +222,7 @@ def resolve_racing(out: dict, st, tmp: Path) -> None:
 @contextlib.contextmanager
 def failing_fetch(st):
     """Step 2: pp stage 1, tp rank 1 cannot fetch while inside."""
-    from integrations._core import worker
+    from tensorhub.integrations._core import worker
 
     real_fetch = worker.fetch
     if (st.pp_rank, st.rank) == (1, 1):
@@ -257,8 +257,8 @@ def three_steps(out: dict, st, tmp: Path, swap: Callable[[], object], applied: C
 
 
 def steps(out: dict, url: str, tmp: Path) -> None:
-    from integrations._core.settings import Settings
-    from integrations.vllm import _runtime, transfer
+    from tensorhub.integrations._core.settings import Settings
+    from tensorhub.integrations.vllm import _runtime, transfer
 
     st = _runtime.connect(Settings.from_config({
         "coordinator": url, "model": MODEL, "native": False, "worker_id": "pp-engine",
@@ -269,7 +269,7 @@ def steps(out: dict, url: str, tmp: Path) -> None:
 
 
 def _engine_class():
-    from integrations.vllm import transfer
+    from tensorhub.integrations.vllm import transfer
 
     class _Engine(transfer._Mixin):
         """The weight-transfer engine minus vLLM's base class; ``_apply`` records."""

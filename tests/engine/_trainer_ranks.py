@@ -29,7 +29,7 @@ def main() -> None:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from _tiny import make_weights
-    from integrations.vllm.trainer import TensorHubTrainerInitInfo
+    from tensorhub.integrations.vllm.trainer import TensorHubTrainerInitInfo
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     full = make_weights(seed)

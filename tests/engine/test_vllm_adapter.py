@@ -15,7 +15,7 @@ swap's own fetch (a source killed before and in the middle of it, a failed fetch
 timeout) and who holds which version afterwards. With the default prefetch each engine
 fetches every version the moment it is complete, before the test can stop or kill the
 source, and becomes one more holder of it; the swap then transfers nothing. The fetch code
-is the same either way (``integrations._core.worker.fetch``); the prefetch path, and
+is the same either way (``tensorhub.integrations._core.worker.fetch``); the prefetch path, and
 ``prefetch`` being the default, are tested with real engines in ``test_vllm_prefetch.py``.
 """
 

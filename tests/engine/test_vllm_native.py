@@ -1,4 +1,4 @@
-"""The engine-native layout of the vLLM adapter (integrations/vllm/_native.py).
+"""The engine-native layout of the vLLM adapter (tensorhub/integrations/vllm/_native.py).
 
 Unit level on CPU: a small torch module stands in for a vLLM model (vLLM's own CPU
 engine cannot serve its parameters: it prepacks linear weights, which `servable` refuses
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import tensorhub
-from integrations._core.load import copy_into
-from integrations._core.settings import Settings
-from integrations.vllm import _native, _runtime
+from tensorhub.integrations._core.load import copy_into
+from tensorhub.integrations._core.settings import Settings
+from tensorhub.integrations.vllm import _native, _runtime
 from tensorhub.testing import InMemoryTransport, digest
 
 

@@ -42,7 +42,7 @@ class TestPipeline(_pp_ranks.PipelineChecks):
 
 
 def test_a_lone_process_is_its_own_engine():
-    from integrations._core.ranks import EngineRanks, label
+    from tensorhub.integrations._core.ranks import EngineRanks, label
 
     alone = EngineRanks()
     assert alone.root and alone.size == 1 and alone.where() == ""

@@ -8,18 +8,18 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from integrations._core.settings import Settings, SettingsError
+from tensorhub.integrations._core.settings import Settings, SettingsError
 
 
 def test_importing_the_plugin_imports_no_vllm():
-    code = ("import sys, integrations.vllm, integrations.vllm.loader, integrations.vllm.transfer; "
+    code = ("import sys, tensorhub.integrations.vllm, tensorhub.integrations.vllm.loader, tensorhub.integrations.vllm.transfer; "
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_entry_point_is_registered():
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert eps.get("tensorhub") == "integrations.vllm:register"
+    assert eps.get("tensorhub") == "tensorhub.integrations.vllm:register"
 
 
 def test_settings_precedence(monkeypatch):
@@ -58,8 +58,8 @@ def test_no_coordinator_anywhere(monkeypatch):
 
 def test_buckets_are_bounded_and_cover_every_tensor_once():
     torch = pytest.importorskip("torch")
-    from integrations._core.load import buckets
-    from integrations.vllm._runtime import layer_groups
+    from tensorhub.integrations._core.load import buckets
+    from tensorhub.integrations.vllm._runtime import layer_groups
 
     names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.{p}.weight" for i in range(4)
                                              for p in ("q", "k", "mlp")] + ["model.norm.weight", "lm_head.weight"]

@@ -124,7 +124,7 @@ def test_follow_learns_the_engines_workers_and_waits_for_its_prefetch(tmp_path):
                                    "--model", "policy", "--coordinator", coord.url, "--max-swaps", "1"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env())
         first = follow.stdout.readline()
-        # the plug-in labels vLLM's weight version with the version it loaded (integrations.vllm._engine_core)
+        # the plug-in labels vLLM's weight version with the version it loaded (tensorhub.integrations.vllm._engine_core)
         assert f"engine at v{v1}" in first, first + follow.stderr.read()
         w2 = make_weights(1)
         v2 = trainer.publish("policy", w2)

@@ -8,11 +8,11 @@ import types
 
 import pytest
 
-from integrations._core import rollback
-from integrations._core.settings import Settings
-from integrations._core.worker import WorkerState
-from integrations.vllm import _engine_core
-from integrations.vllm.transfer import _FailPoint
+from tensorhub.integrations._core import rollback
+from tensorhub.integrations._core.settings import Settings
+from tensorhub.integrations._core.worker import WorkerState
+from tensorhub.integrations.vllm import _engine_core
+from tensorhub.integrations.vllm.transfer import _FailPoint
 
 
 class _Got(dict):

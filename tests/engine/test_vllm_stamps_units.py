@@ -7,7 +7,7 @@ import asyncio
 import json
 from types import SimpleNamespace as NS
 
-from integrations.vllm import stamps
+from tensorhub.integrations.vllm import stamps
 
 
 def _out(index: int, spans: list) -> NS:

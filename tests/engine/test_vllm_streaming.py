@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import tensorhub
-from integrations._core import load, worker
-from integrations._core.settings import Settings
-from integrations.vllm import _runtime
+from tensorhub.integrations._core import load, worker
+from tensorhub.integrations._core.settings import Settings
+from tensorhub.integrations.vllm import _runtime
 from tensorhub.testing import InMemoryTransport, digest
 
 
@@ -67,7 +67,7 @@ def test_stream_into_feeds_every_tensor_once_through_one_bounded_buffer(hubs, ca
     s = Settings.from_config({"coordinator": url, "model": "policy", "bucket_bytes": limit})
     st = _runtime.WorkerState(s, make("rank1"), rank=1, tp_size=2, serving=False)
     model = Recorder()
-    with caplog.at_level("INFO", logger="integrations._core.load"):
+    with caplog.at_level("INFO", logger="tensorhub.integrations._core.load"):
         specs = load.stream_into(st, model, v, limit)
     assert model.seen == digest(w)  # every tensor, right bytes
     assert sum(len(c) for c in model.calls) == len(w)  # each exactly once
@@ -140,7 +140,7 @@ def _eventually(cond, timeout: float = 20.0) -> bool:
 def test_prefetch_fetches_new_versions_while_the_engine_runs_the_old_one(hubs):
     """prefetch: a background thread fetches (and serves) each new version at once; a swap
     takes it without a transfer; a version superseded before its swap is retired."""
-    from integrations.vllm._prefetch import Prefetcher
+    from tensorhub.integrations.vllm._prefetch import Prefetcher
 
     url, make = hubs
     trainer = make("trainer")
@@ -213,7 +213,7 @@ def test_borrow_into_loads_in_place_then_the_kept_copy_serves(embedded, caplog):
         s = Settings.from_config({"coordinator": url, "model": "policy", "bucket_bytes": 200_000})
         st = _runtime.WorkerState(s, rank, serving=True)
         model = Keeper(w, kept="model.layers.1.mlp.up_proj.weight")
-        with caplog.at_level("INFO", logger="integrations._core.load"):
+        with caplog.at_level("INFO", logger="tensorhub.integrations._core.load"):
             b = load.borrow_into(st, model, v, s.bucket_bytes)
         assert b is not None and b.trusted()
         assert digest(model.weights()) == digest(w) and st.version == v and st.specs == load.specs_of(w)

@@ -123,7 +123,7 @@ def test_trainer_engine_publishes_and_the_engine_swaps(setup):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    from integrations.vllm.trainer import TensorHubTrainerInitInfo, TensorHubTrainerWeightTransferEngine
+    from tensorhub.integrations.vllm.trainer import TensorHubTrainerInitInfo, TensorHubTrainerWeightTransferEngine
 
     import tensorhub
 
@@ -224,8 +224,8 @@ def test_bad_input_gives_clear_errors_and_the_engine_serves_on(setup):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    from integrations._core.settings import SettingsError
-    from integrations.vllm.trainer import TensorHubTrainerInitInfo
+    from tensorhub.integrations._core.settings import SettingsError
+    from tensorhub.integrations.vllm.trainer import TensorHubTrainerInitInfo
 
     engine, url = setup["engine"], setup["url"]
     before, text_before = _weight_version(engine), engine.generate(PROMPTS)
@@ -308,7 +308,7 @@ def test_one_buffer_is_reused_once_the_engine_holds_the_version(setup):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    from integrations.vllm.trainer import TensorHubTrainerInitInfo
+    from tensorhub.integrations.vllm.trainer import TensorHubTrainerInitInfo
 
     engine, url = setup["engine"], setup["url"]
     weights = {k: v.clone() for k, v in make_weights(1).items()}
@@ -339,18 +339,18 @@ def test_the_backend_is_registered_by_the_plugin_and_by_import():
         import sys
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F
         assert "tensorhub" not in F._registry
-        import integrations.vllm
-        integrations.vllm.register()
-        integrations.vllm.register()  # idempotent
-        assert "integrations.vllm.trainer" not in sys.modules
+        import tensorhub.integrations.vllm
+        tensorhub.integrations.vllm.register()
+        tensorhub.integrations.vllm.register()  # idempotent
+        assert "tensorhub.integrations.vllm.trainer" not in sys.modules
         cls = F._registry["tensorhub"]()
-        from integrations.vllm.trainer import TensorHubTrainerInitInfo, TensorHubTrainerWeightTransferEngine
+        from tensorhub.integrations.vllm.trainer import TensorHubTrainerInitInfo, TensorHubTrainerWeightTransferEngine
         assert cls is TensorHubTrainerWeightTransferEngine and TensorHubTrainerInitInfo.backend == "tensorhub"
     """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=engine_env())
     code = """if True:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F
-        from integrations.vllm.trainer import TensorHubTrainerWeightTransferEngine
+        from tensorhub.integrations.vllm.trainer import TensorHubTrainerWeightTransferEngine
         assert F._registry["tensorhub"]() is TensorHubTrainerWeightTransferEngine
     """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=engine_env())

@@ -65,8 +65,8 @@ def run(rank: int, tp: int, pp: int, init_file: str, url: str, tmp: str, path: l
 def steps(out: dict, url: str, tmp: Path) -> None:
     from _pp_ranks import MODEL, three_steps
 
-    from integrations._core.settings import Settings
-    from integrations.sglang import _runtime, pull
+    from tensorhub.integrations._core.settings import Settings
+    from tensorhub.integrations.sglang import _runtime, pull
 
     st = _runtime.connect(Settings.from_config({
         "coordinator": url, "model": MODEL, "native": False, "worker_id": "pp-sglang",

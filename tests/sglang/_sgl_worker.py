@@ -61,7 +61,7 @@ def build(cfg: dict):
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    from integrations.sglang.pull import LOAD_FORMAT
+    from tensorhub.integrations.sglang.pull import LOAD_FORMAT
 
     sa = ServerArgs(model_path=cfg["model_dir"], device="cpu", dtype="float32", load_format=cfg["load_format"],
                     model_loader_extra_config=json.dumps(cfg.get("extra", {})), custom_weight_loader=[LOAD_FORMAT],
@@ -114,7 +114,7 @@ def run(op: str, cmd: dict, mc, model, loader):
     if op == "specs":
         return {n: [p.numel(), p.element_size()] for n, p in model.named_parameters()}
     if op == "held":
-        from integrations._core import worker
+        from tensorhub.integrations._core import worker
 
         st = worker.get_state()
         return {"held": [list(h) for h in st.hub.held()], "version": st.version, "layout": st.layout,
@@ -150,7 +150,7 @@ def update(cmd: dict, mc, model):
     named = MultiprocessingSerializer.deserialize(cmd["payload"])  # made by the client (the test)
     wu.begin_weight_update()
     ok, message = wu.update_weights_from_tensor(named_tensors=named, load_format=cmd.get("load_format",
-                                                 "integrations.sglang.pull.pull"))
+                                                 "tensorhub.integrations.sglang.pull.pull"))
     wu.end_weight_update(run_post_load=not ok)
     return {"success": ok, "message": message}
 
@@ -171,7 +171,7 @@ def serve_http(mc, model) -> int:
     from fastapi.responses import JSONResponse
     from sglang.srt.managers import io_struct as io
 
-    from integrations._core import worker
+    from tensorhub.integrations._core import worker
 
     st = worker.get_state()
     _HTTP["version"] = None if st is None or st.version is None else str(st.version)

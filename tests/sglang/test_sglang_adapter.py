@@ -138,7 +138,7 @@ def _extra(env, **kw) -> dict:
 
 
 def _payload(v) -> str:
-    from integrations.sglang.pull import payload
+    from tensorhub.integrations.sglang.pull import payload
 
     return payload(v)
 
@@ -201,7 +201,7 @@ def test_peer_starts_from_the_native_layout_and_swaps_in_place(hub_env, engine_a
 
 
 def test_swap_waits_for_readers_of_the_old_version(hub_env, engine_a):
-    from integrations.sglang.seed import SeedServer
+    from tensorhub.integrations.sglang.seed import SeedServer
 
     a = engine_a["worker"]
     held = a.call("held")
@@ -225,7 +225,7 @@ def test_swap_waits_for_readers_of_the_old_version(hub_env, engine_a):
 
 
 def test_seed_answers_sglang_remote_instance_client(hub_env, engine_a):
-    from integrations.sglang.seed import SeedServer
+    from tensorhub.integrations.sglang.seed import SeedServer
 
     a = engine_a["worker"]
     held = a.call("held")

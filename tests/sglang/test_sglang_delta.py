@@ -39,7 +39,7 @@ def _ref(tmp, name: str, weights: dict) -> dict:
 
 
 def _update(w: SGLangWorker, v: int) -> None:
-    from integrations.sglang.pull import payload
+    from tensorhub.integrations.sglang.pull import payload
 
     r = w.call("update", payload=payload(v))
     assert r == {"success": True, "message": "Success"}, r

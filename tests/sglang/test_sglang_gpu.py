@@ -59,7 +59,7 @@ class Server:
         self.log = log
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", "127.0.0.1",
                "--port", str(self.port), "--mem-fraction-static", "0.2", "--disable-cuda-graph",
-               "--custom-weight-loader", "integrations.sglang.pull.pull", *args]
+               "--custom-weight-loader", "tensorhub.integrations.sglang.pull.pull", *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:

@@ -74,7 +74,7 @@ def test_sglang_starts_in_place_from_a_same_host_trainer_then_serves_its_own_cop
         # A hot-swap after a start in place: v1's copy is withdrawn, v2 applied.
         t2 = Trainer(url, 2, "trainer-2")
         procs.append(t2)
-        from integrations.sglang.pull import payload
+        from tensorhub.integrations.sglang.pull import payload
 
         assert eng.call("update", payload=payload(t2.version)) == {"success": True, "message": "Success"}
         assert eng.call("digest") == reference_digest(make_model_dir(tmp_path / "disk2", seed=2))

@@ -93,7 +93,7 @@ def test_cli_binds_loopback_by_default_and_says_no_token_guards_it(coordinator, 
     workers(url, "trainer").call("publish", seed=1, nbytes=1 << 16)
     env = {**os.environ, "GLOG_minloglevel": "2"}
     env.pop("TENSORHUB_TOKEN", None)
-    p = subprocess.Popen([sys.executable, "-m", "integrations.sglang.seed", "--coordinator", url,
+    p = subprocess.Popen([sys.executable, "-m", "tensorhub.integrations.sglang.seed", "--coordinator", url,
                           "--model", "policy", "--layout", "hf"], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -117,7 +117,7 @@ def test_cli_binds_loopback_by_default_and_says_no_token_guards_it(coordinator, 
 
 
 def test_seed_refuses_readers_without_the_coordinators_token(coordinator, workers, monkeypatch):
-    from integrations.sglang.seed import SeedServer
+    from tensorhub.integrations.sglang.seed import SeedServer
 
     url = coordinator(token=TOKEN)
     workers(url, "trainer", token=TOKEN).call("publish", seed=1, nbytes=1 << 16)
@@ -153,7 +153,7 @@ def test_sglang_client_sends_the_token_from_netrc(coordinator, workers, tmp_path
     from _sglang_procs import require_sglang
 
     require_sglang()
-    from integrations.sglang.seed import SeedServer
+    from tensorhub.integrations.sglang.seed import SeedServer
 
     # SGLang's own client function, from the installed wheel (the module imports only requests).
     spec = importlib.util.find_spec("sglang")
@@ -178,7 +178,7 @@ def test_sglang_client_sends_the_token_from_netrc(coordinator, workers, tmp_path
 
 
 def test_a_reader_asking_again_renews_its_one_lease(coordinator, workers):
-    from integrations.sglang.seed import SeedServer
+    from tensorhub.integrations.sglang.seed import SeedServer
 
     url = coordinator(lease_ttl=2.5)  # shorter than the seed's lease: the seed must renew
     workers(url, "trainer").call("publish", seed=1, nbytes=1 << 16)
@@ -222,7 +222,7 @@ def test_a_reader_asking_again_renews_its_one_lease(coordinator, workers):
 
 def test_direct_calls_open_a_lease_each(coordinator, workers):
     """``info(rank)`` without a reader (a test or a script pinning replicas) opens a lease per call."""
-    from integrations.sglang.seed import SeedError, SeedServer
+    from tensorhub.integrations.sglang.seed import SeedError, SeedServer
 
     url = coordinator()
     workers(url, "trainer").call("publish", seed=1, nbytes=1 << 16)

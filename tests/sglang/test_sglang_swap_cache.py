@@ -26,8 +26,8 @@ from sglang.srt.plugins import load_plugins
 load_plugins()  # tensorhub's hooks, through the sglang.srt.plugins entry point
 from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager as M
-from integrations.sglang.pull import LOAD_FORMAT
-import integrations.sglang.follow as follow
+from tensorhub.integrations.sglang.pull import LOAD_FORMAT
+import tensorhub.integrations.sglang.follow as follow
 
 def req(**kw):
     return UpdateWeightsFromTensorReqInput(serialized_named_tensors=[b"x"], load_format=LOAD_FORMAT, **kw)

@@ -12,12 +12,12 @@ from dataclasses import fields
 import httpx
 import pytest
 
-from integrations._core.settings import Settings, SettingsError
+from tensorhub.integrations._core.settings import Settings, SettingsError
 
 
 def test_importing_the_adapter_imports_no_sglang():
-    code = ("import sys, integrations.sglang, integrations.sglang.loader, integrations.sglang.pull, "
-            "integrations.sglang.seed, integrations.sglang.follow; "
+    code = ("import sys, tensorhub.integrations.sglang, tensorhub.integrations.sglang.loader, tensorhub.integrations.sglang.pull, "
+            "tensorhub.integrations.sglang.seed, tensorhub.integrations.sglang.follow; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('sglang', 'vllm', 'torch')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -38,7 +38,7 @@ def test_settings_are_the_shared_ones_native_included():
 
 def test_payload_names_the_version_and_nothing_else():
     torch = pytest.importorskip("torch")
-    from integrations.sglang.pull import payload, requested_version
+    from tensorhub.integrations.sglang.pull import payload, requested_version
 
     import base64
 
@@ -54,8 +54,8 @@ def test_payload_names_the_version_and_nothing_else():
 
 def test_buckets_cut_between_layers_and_at_the_limit():
     torch = pytest.importorskip("torch")
-    from integrations._core.load import buckets
-    from integrations.sglang._runtime import layer_groups
+    from tensorhub.integrations._core.load import buckets
+    from tensorhub.integrations.sglang._runtime import layer_groups
 
     t = {f"model.layers.{i}.{p}": torch.zeros(256) for i in range(3) for p in ("a", "b")}  # 1 KiB each
     t["lm_head.weight"] = torch.zeros(4096)  # 16 KiB: alone past the limit
@@ -67,7 +67,7 @@ def test_buckets_cut_between_layers_and_at_the_limit():
 
 @pytest.mark.multiprocess
 def test_seed_without_a_native_layout_says_what_to_start(embedded, workers):
-    from integrations.sglang.seed import SeedServer
+    from tensorhub.integrations.sglang.seed import SeedServer
 
     url = embedded.url
     w = workers(url, "trainer")

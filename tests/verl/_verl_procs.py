@@ -128,7 +128,7 @@ def _trainer(conn: Any, rank: int, engine_kwargs: dict, bucket_mb: int, how: str
     # As verl's engine_workers.ActorRolloutRefWorker builds it (rank 0 is the master).
     cfg = CheckpointEngineConfig(backend=BACKEND, update_weights_bucket_megabytes=bucket_mb,
                                  engine_kwargs={BACKEND: dict(engine_kwargs)},
-                                 custom_backend_module="integrations.verl.engine" if how == "module" else None)
+                                 custom_backend_module="tensorhub.integrations.verl.engine" if how == "module" else None)
     import_external_libs(cfg.custom_backend_module or None)
     engine = CheckpointEngineRegistry.new(cfg.backend, is_master=(rank == 0),
                                           bucket_size=cfg.update_weights_bucket_megabytes << 20,
@@ -174,7 +174,7 @@ def _rollout(conn: Any, rank: int, engine_kwargs: dict, bucket_mb: int, how: str
 
     ce = CheckpointEngineConfig(backend=BACKEND, update_weights_bucket_megabytes=bucket_mb,
                                 engine_kwargs={BACKEND: dict(engine_kwargs)},
-                                custom_backend_module="integrations.verl.engine" if how == "module" else None)
+                                custom_backend_module="tensorhub.integrations.verl.engine" if how == "module" else None)
     rc = RolloutConfig(name="vllm", checkpoint_engine=ce)
     mc = HFModelConfig(path=model_dir, load_tokenizer=False)
     adapter = _Hashing(rc, mc).adapter

@@ -33,7 +33,7 @@ def test_verl_finds_the_backend_by_name_through_its_plugin_entry_point(verl_plug
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "PYTHONPATH": ":".join(sys.path)})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "integrations.verl.engine"
+    assert out.stdout.strip().splitlines()[-1] == "tensorhub.integrations.verl.engine"
 
 
 def test_without_the_plugin_verl_names_what_is_registered():
@@ -48,7 +48,7 @@ def test_without_the_plugin_verl_names_what_is_registered():
 
 
 def _new(**kw):
-    import integrations.verl.engine  # noqa: F401
+    import tensorhub.integrations.verl.engine  # noqa: F401
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
     return CheckpointEngineRegistry.new(BACKEND, bucket_size=kw.pop("bucket_size", MB), **kw)
@@ -236,7 +236,7 @@ def test_prefetch_while_rollouts_run_then_get_weights(coord, model_dir):
 def test_plan_buckets_cuts_in_order_within_the_limit():
     from collections import namedtuple
 
-    from integrations.verl._receiver import plan_buckets
+    from tensorhub.integrations.verl._receiver import plan_buckets
 
     S = namedtuple("S", "name nbytes")
     specs = [S("a", 64), S("b", 448), S("c", 500), S("d", 2000), S("e", 10), S("f", 20), S("g", 1024)]
@@ -251,7 +251,7 @@ def test_streamed_buckets_are_exact_and_an_abandoned_stream_closes_cleanly(conne
     read in flight) closes the stream without an error."""
     import torch
 
-    from integrations.verl._receiver import Receiver
+    from tensorhub.integrations.verl._receiver import Receiver
 
     w = make_weights(3, layers=6)
     v = connect("trainer").publish("policy", w)

@@ -116,7 +116,7 @@ def test_sliced_weights_without_a_version_and_replicated_placements_are_clear_er
     import sys
 
     import tensorhub
-    from integrations.verl._publisher import Publisher
+    from tensorhub.integrations.verl._publisher import Publisher
 
     p = Publisher(hub=None, model="policy", keep=2, dtype=None)
 
@@ -131,7 +131,7 @@ def test_sliced_weights_without_a_version_and_replicated_placements_are_clear_er
             f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'pg'}', rank=0, world_size=1)\n"
             "from torch.distributed.device_mesh import init_device_mesh\n"
             "from torch.distributed.tensor import distribute_tensor, Replicate, Shard\n"
-            "from integrations.verl._publisher import _local_part\n"
+            "from tensorhub.integrations.verl._publisher import _local_part\n"
             "mesh = init_device_mesh('cpu', (1,))\n"
             "local, shape, off, r = _local_part('a', distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))\n"
             "assert (tuple(local.shape), shape, off, r) == ((4, 3), (4, 3), (0, 0), (0, 1)), (shape, off, r)\n"

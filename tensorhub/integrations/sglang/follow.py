@@ -3,12 +3,12 @@
 ``tensorhub follow --engine sglang+http://HOST:PORT --model NAME [--mode abort|retract|in_place]``
 watches the coordinator and, for each new complete version, drives SGLang's endpoints:
 ``/pause_generation``, ``/begin_weight_update``, ``/update_weights_from_tensor`` (with
-``load_format`` = :data:`integrations.sglang.pull.LOAD_FORMAT` and the version as the
+``load_format`` = :data:`tensorhub.integrations.sglang.pull.LOAD_FORMAT` and the version as the
 payload, one entry per TP rank), ``/end_weight_update``, ``/continue_generation``. It
 prints one line per swap (the version, the stall, the bytes and the holders), like the
 vLLM follow mode. A failed swap is printed, the engine continued on its old version, and
 following goes on. The server must run with ``--custom-weight-loader
-integrations.sglang.pull.pull``.
+tensorhub.integrations.sglang.pull.pull``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ loader registry, so the plug-in adds the load format ``tensorhub`` in three plac
 * ``LoadConfig``: an AROUND hook on ``LoadConfig._verify_load_format`` keeps
   ``"tensorhub"`` (``LoadFormat`` is a closed enum);
 * ``get_model_loader``: an AROUND hook returns
-  :class:`~integrations.sglang.loader` 's loader for it (every other format goes to SGLang);
+  :class:`~tensorhub.integrations.sglang.loader` 's loader for it (every other format goes to SGLang);
 * ``WeightUpdater.update_weights_from_tensor``: an AROUND hook makes a failed pull
   (:mod:`.pull`) answer ``success: false`` with its message instead of an exception;
 * the scheduler's ``update_weights_from_tensor``: an AROUND hook refuses our pull with
@@ -23,7 +23,7 @@ loader registry, so the plug-in adds the load format ``tensorhub`` in three plac
 Then ``python -m sglang.launch_server --model-path DIR --load-format tensorhub
 --model-loader-extra-config '{"coordinator": URL, "model": NAME, "version": "latest"|N,
 "on_missing": "disk"|"wait"|"error"}'`` starts from peers: the settings both adapters share
-(:class:`~integrations._core.settings.Settings`). Hot-swap: :mod:`.pull`; follow mode:
+(:class:`~tensorhub.integrations._core.settings.Settings`). Hot-swap: :mod:`.pull`; follow mode:
 :mod:`.follow`; a seed for SGLang's own ``remote_instance`` loader: :mod:`.seed`.
 
 Importing this package imports no SGLang; :func:`register` does.

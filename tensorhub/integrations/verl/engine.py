@@ -3,7 +3,7 @@
 Importing this module registers :class:`TensorHubCheckpointEngine` under the name
 ``tensorhub`` in verl's ``CheckpointEngineRegistry``. verl imports it by itself: the
 package's ``verl.plugins`` entry point names this module (verl loads every such entry point
-on ``import verl``); ``checkpoint_engine.custom_backend_module=integrations.verl.engine``
+on ``import verl``); ``checkpoint_engine.custom_backend_module=tensorhub.integrations.verl.engine``
 does the same where entry points are turned off (``VERL_USE_EXTERNAL_PLUGINS=none``).
 
 Who calls what (verl's ``CheckpointEngineManager.update_weights``, every sync step):
@@ -37,7 +37,7 @@ from typing import Any, AsyncGenerator, Optional
 import tensorhub
 from verl.checkpoint_engine.base import CheckpointEngineRegistry, CheckpointEngineWithCache
 
-from integrations._core.worker import probe
+from tensorhub.integrations._core.worker import probe
 
 from ._publisher import Publisher
 from ._receiver import Receiver
@@ -55,7 +55,7 @@ class TensorHubCheckpointEngine(CheckpointEngineWithCache):
     """verl's checkpoint-engine contract over a TensorHub coordinator (see the module docstring).
 
     Args (verl passes the first two; the rest come from ``engine_kwargs.tensorhub``, see
-    :class:`~integrations.verl.settings.VerlSettings`):
+    :class:`~tensorhub.integrations.verl.settings.VerlSettings`):
         bucket_size: bytes of one streamed bucket (verl's ``update_weights_bucket_megabytes``).
         is_master: True on the trainer rank that publishes (verl sets it on rank 0).
     """

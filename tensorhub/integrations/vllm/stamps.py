@@ -3,7 +3,7 @@
 Runs in vLLM's API-server process. The source of truth is vLLM's own per-token label:
 each finished ``CompletionOutput`` carries ``weight_versions``, spans ``[start, end)`` of
 its output tokens with the engine core's weight version when they were sampled (vLLM
-changes that label only between steps; :mod:`integrations.vllm._engine_core` sets it to
+changes that label only between steps; :mod:`tensorhub.integrations.vllm._engine_core` sets it to
 the TensorHub version at start and in the same engine-core call as each swap). vLLM puts
 these spans on its token-in/token-out route (``/inference/v1/generate``) but not on
 ``/v1/completions`` or ``/v1/chat/completions``; :class:`WeightVersionMiddleware` does:
@@ -30,7 +30,7 @@ exactly that; the stamp (header, fingerprint) is the old one.
 
 Installed on every OpenAI server that runs TensorHub's loader or weight-transfer backend
 (:func:`install_server_hook`, called by the plug-in), through vLLM's own ``--middleware``
-list; naming it yourself (``--middleware integrations.vllm.stamps.WeightVersionMiddleware``)
+list; naming it yourself (``--middleware tensorhub.integrations.vllm.stamps.WeightVersionMiddleware``)
 is the same. It observes the engine's outputs by wrapping ``engine_client.generate`` of the
 app it serves (the one object; nothing in vLLM's modules changes).
 """

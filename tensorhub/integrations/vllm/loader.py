@@ -30,7 +30,7 @@ prepacks linear weights, so only the ``hf`` copy is servable there (see ``_runti
 its memory cost).
 
 The engine-neutral steps (settings, connect, resolve, fetch, load in buckets, publish a
-disk load) are the core's (:mod:`integrations._core`); this module holds vLLM's hooks.
+disk load) are the core's (:mod:`tensorhub.integrations._core`); this module holds vLLM's hooks.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 A framework that drives vLLM's trainer API (``WeightTransferTrainerFactory.trainer_init``,
 then ``send_weights()`` each round; SkyRL, prime-rl) gets TensorHub by passing this
 backend's init info; the engines run the worker-side ``tensorhub`` backend
-(``--weight-transfer-config '{"backend": "tensorhub"}'``, :mod:`integrations.vllm.transfer`)::
+(``--weight-transfer-config '{"backend": "tensorhub"}'``, :mod:`tensorhub.integrations.vllm.transfer`)::
 
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from integrations.vllm.trainer import TensorHubTrainerInitInfo
+    from tensorhub.integrations.vllm.trainer import TensorHubTrainerInitInfo
 
     engine = WeightTransferTrainerFactory.trainer_init(
         TensorHubTrainerInitInfo(model="policy", coordinator=URL, rank=rank),

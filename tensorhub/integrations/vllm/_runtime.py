@@ -1,14 +1,14 @@
 """vLLM's hooks into the engine-neutral core, and what a vLLM worker keeps between swaps.
 
 Runs in every vLLM worker process (one per TP/PP rank). The core
-(:mod:`integrations._core.worker`) connects, resolves, fetches and loads; vLLM tells it its
+(:mod:`tensorhub.integrations._core.worker`) connects, resolves, fetches and loads; vLLM tells it its
 ranks (:func:`engine`: pipeline stages x prefill-context-parallel x TP ranks, from vLLM's
 ``parallel_state``) and its layer groups (vLLM's ``layerwise_groups``), and keeps, beyond
 the core's state, the old ``hf`` copies of its hot-swaps (:class:`WorkerState`).
 
 Memory: vLLM on CPU prepacks linear weights in ``process_weights_after_loading`` and
 leaves the parameters empty, so the engine's own bytes cannot be served there; the
-serving rank(s) keep the ``hf`` copy instead (see :mod:`integrations._core.worker`).
+serving rank(s) keep the ``hf`` copy instead (see :mod:`tensorhub.integrations._core.worker`).
 """
 
 from __future__ import annotations
@@ -99,5 +99,5 @@ engine_quiet = worker.engine_quiet
 
 
 def connect(settings: Settings) -> WorkerState:
-    """This process's state (the core's :func:`~integrations._core.worker.connect`)."""
+    """This process's state (the core's :func:`~tensorhub.integrations._core.worker.connect`)."""
     return worker.connect(settings, HOOKS, WorkerState)

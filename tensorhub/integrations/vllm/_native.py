@@ -12,7 +12,7 @@ and dtype before processing) can take them raw: no ``load_weights``, no processi
 * A starting engine whose fingerprint matches a complete layout fetches its own shard
   into host memory during ``load_weights`` (a failure falls back to the ``hf`` layout
   there), lets vLLM process its untouched parameters, then copies the shard over them
-  (names, shapes and dtypes checked first: :func:`integrations._core.load.copy_into`).
+  (names, shapes and dtypes checked first: :func:`tensorhub.integrations._core.load.copy_into`).
 * A swap changes the parameters in place, so the rank unpublishes the version it runs
   (every layout; this returns once its readers drained) before the first byte changes.
 
@@ -53,7 +53,7 @@ def shard_of(rank: int, tp_size: int, pp_rank: int) -> int:
 def fingerprint(model: Any, model_config: Any = None, *, tp_size: int = 1, pp_size: int = 1,
                 pp_rank: int = 0, engine_version: Optional[str] = None) -> str:
     """The native layout's name, ``vllm-<16 hex>``: a hash of everything that fixes the bytes
-    of one rank's parameters (:func:`~integrations._core.load.layout_name`). Computed before
+    of one rank's parameters (:func:`~tensorhub.integrations._core.load.layout_name`). Computed before
     weights are loaded, identically by the engine that publishes and the one that reads."""
     if engine_version is None:
         try:
@@ -134,7 +134,7 @@ def publish(st: Any, model: Any) -> bool:
 
 def withdraw(st: Any) -> None:
     """Before the parameters change: when they are served in place, unpublish the running
-    version (:func:`~integrations._core.worker.withdraw`: every layout, its readers
+    version (:func:`~tensorhub.integrations._core.worker.withdraw`: every layout, its readers
     drained); raises if they do not drain in time, and then the parameters must stay as
     they are. Otherwise nothing: the ``hf`` copy is retired after the swap, off the call."""
     if st.native:

@@ -37,7 +37,7 @@ __all__ = ["Prefetcher"]
 
 class Prefetcher:
     """One per worker process (see the module docstring); ``st``: its
-    :class:`~integrations.vllm._runtime.WorkerState`. ``take(v)`` hands over a prefetched
+    :class:`~tensorhub.integrations.vllm._runtime.WorkerState`. ``take(v)`` hands over a prefetched
     copy of ``v`` (or None); ``stop()`` ends the thread."""
 
     def __init__(self, st: Any, poll: float = 30.0) -> None:

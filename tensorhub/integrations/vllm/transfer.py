@@ -246,7 +246,7 @@ class _Mixin:
     def _roll_back(self, st: "_runtime.WorkerState", requested: Any, v: int, old_v: Optional[int], got: Any,
                    kept: Any, failed: tuple[str, str], t0: float) -> None:
         """Applying ``v`` failed on some rank (``failed``: where, why): every rank puts
-        ``old_v``'s exact bytes back (:func:`integrations._core.rollback.roll_back`), serves
+        ``old_v``'s exact bytes back (:func:`tensorhub.integrations._core.rollback.roll_back`), serves
         ``old_v`` again, and the call raises one message naming the rollback. When a rank
         cannot restore, the message says the engine is broken (it then stops serving)."""
         s = st.settings

@@ -1,9 +1,9 @@
 """The engine adapters' engine-neutral core: what vLLM's and SGLang's adapters share.
 
-Each adapter (``integrations.vllm``, ``integrations.sglang``) keeps only its engine's
+Each adapter (``tensorhub.integrations.vllm``, ``tensorhub.integrations.sglang``) keeps only its engine's
 hooks: the loader class, the hot-swap entry (vLLM's weight-transfer engine, SGLang's pull
 function), the engine-native layout, the follow driver; it tells the core its ranks and
-layer groups through one :class:`~integrations._core.worker.EngineHooks`. The core never
+layer groups through one :class:`~tensorhub.integrations._core.worker.EngineHooks`. The core never
 imports an adapter, and neither adapter imports the other.
 
 * :mod:`.settings`: ``Settings`` (every ``--model-loader-extra-config`` key, env defaults,

@@ -38,7 +38,7 @@ def native_tensors(model: Any) -> dict:
 
 def fingerprint(model: Any, st: Optional[WorkerState] = None) -> str:
     """The native layout's name: ``sglang-<hash>`` of everything that fixes the bytes of
-    one rank's parameters (:func:`~integrations._core.load.layout_name`): engine and its
+    one rank's parameters (:func:`~tensorhub.integrations._core.load.layout_name`): engine and its
     version, the model config, the quantization, TP/PP sizes and the PP stage, and every
     parameter's name, shape and dtype."""
     try:

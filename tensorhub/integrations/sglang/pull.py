@@ -1,13 +1,13 @@
 """Hot-swap an SGLang engine to a TensorHub version: a ``--custom-weight-loader`` function.
 
-Start the server with ``--custom-weight-loader integrations.sglang.pull.pull`` and
+Start the server with ``--custom-weight-loader tensorhub.integrations.sglang.pull.pull`` and
 ``--load-format tensorhub`` (whose settings name the coordinator and model), then
 drive SGLang's own calls (``tensorhub follow --engine sglang+http://HOST:PORT`` does)::
 
     POST /pause_generation
     POST /begin_weight_update
     POST /update_weights_from_tensor  {"serialized_named_tensors": [payload(N)] * tp_size,
-                                       "load_format": "integrations.sglang.pull.pull",
+                                       "load_format": "tensorhub.integrations.sglang.pull.pull",
                                        "weight_version": "N"}
     POST /end_weight_update
     POST /continue_generation
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["pull", "payload", "LOAD_FORMAT"]
 
 #: The value of ``--custom-weight-loader`` and of ``load_format`` in the update request.
-LOAD_FORMAT = "integrations.sglang.pull.pull"
+LOAD_FORMAT = "tensorhub.integrations.sglang.pull.pull"
 _PREFIX = "tensorhub:"
 
 
@@ -71,7 +71,7 @@ def requested_version(named_tensors: Sequence[Any]) -> Union[int, str]:
     """The version a payload names; a one-line error for anything else."""
     names = [n for n, _ in named_tensors] if named_tensors else []
     if len(names) != 1 or not str(names[0]).startswith(_PREFIX):
-        raise ValueError(f"tensorhub: the update payload must be integrations.sglang.pull.payload(version), "
+        raise ValueError(f"tensorhub: the update payload must be tensorhub.integrations.sglang.pull.payload(version), "
                          f"got tensors named {names[:3]}")
     v = names[0][len(_PREFIX):]
     if v == "latest":

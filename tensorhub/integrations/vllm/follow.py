@@ -1,7 +1,7 @@
 """Follow mode: keep a vLLM server on the newest version of a model.
 
 ``tensorhub follow --engine http://HOST:PORT --model NAME [--mode abort|wait|keep]`` (or
-``python -m integrations.vllm.follow ...``; the loop is ``tensorhub.follow``'s) watches the coordinator and, for
+``python -m tensorhub.integrations.vllm.follow ...``; the loop is ``tensorhub.follow``'s) watches the coordinator and, for
 each new complete version, drives the server's dev-mode endpoints: ``/pause?mode=``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ``/resume``.
 It prints one line per swap: the version, the stall (pause to resume), the bytes and the

@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Optional
 from tensorhub import FetchError, NotFoundError, TensorHubError
 from tensorhub.protocol import SLICED
 
-from integrations._core.worker import ask_ahead_after, deltas_published
+from tensorhub.integrations._core.worker import ask_ahead_after, deltas_published
 
 __all__ = ["Receiver", "plan_buckets", "StreamStats"]
 

@@ -1,7 +1,7 @@
 """What the plug-in adds to vLLM's engine core: cache reset and the version label at a swap.
 
 Runs in vLLM's engine-core process (the process that schedules; offline ``LLM`` and the
-OpenAI server alike), installed by :func:`integrations.vllm.register` (which vLLM calls at
+OpenAI server alike), installed by :func:`tensorhub.integrations.vllm.register` (which vLLM calls at
 the top of ``EngineCore.__init__``). It acts only on engines configured with
 ``--weight-transfer-config '{"backend": "tensorhub"}'`` or ``--load-format tensorhub``.
 
@@ -28,7 +28,7 @@ label to ``X`` afterwards (``tensorhub follow`` and the trainer engine pass the 
 number, so it stays the same).
 
 **A failed swap.** When a tensorhub ``update_weights`` raises, the workers have rolled back
-to the version they ran (:mod:`integrations._core.rollback`): the caches are reset all the
+to the version they ran (:mod:`tensorhub.integrations._core.rollback`): the caches are reset all the
 same and the label is set to the version the workers hold (the old one). If a worker could
 not restore it, its parameters are a mix of two versions: the engine then refuses every
 request (``add_request`` raises; in the OpenAI server's engine-core process the busy loop

@@ -4,7 +4,7 @@ Runs in every engine worker process (one per TP/PP rank: a vLLM worker, an SGLan
 scheduler). The adapter's model loader creates the state at start (:func:`connect`); its
 hot-swap path (vLLM's weight-transfer engine, SGLang's pull function: same process)
 reuses it. The engine is known here only through its :class:`EngineHooks`: its name, its
-ranks (:class:`~integrations._core.ranks.EngineRanks`) and how its checkpoint names group
+ranks (:class:`~tensorhub.integrations._core.ranks.EngineRanks`) and how its checkpoint names group
 into layers.
 
 Replicas per rank, for the version the engine runs: the ``hf`` copy (checkpoint names and

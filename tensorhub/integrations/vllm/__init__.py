@@ -6,13 +6,13 @@ process it starts (API server, engine core, each worker). It registers:
 
 * the model loader ``tensorhub``: ``--load-format tensorhub
   --model-loader-extra-config '{"coordinator": URL, "model": NAME, "version": "latest"|N,
-  "on_missing": "disk"|"wait"|"error"}'`` (see :class:`~integrations._core.settings.Settings`
+  "on_missing": "disk"|"wait"|"error"}'`` (see :class:`~tensorhub.integrations._core.settings.Settings`
   for every key; ``TENSORHUB_COORDINATOR`` / ``TENSORHUB_TOKEN`` are the defaults);
 * the weight-transfer backend ``tensorhub``: ``--weight-transfer-config
   '{"backend": "tensorhub"}'``, then vLLM's ``start_weight_update`` /
   ``update_weights({"update_info": {"version": N}})`` / ``finish_weight_update``;
 * the trainer-side engine ``tensorhub`` (``WeightTransferTrainerFactory``, for trainers that
-  speak vLLM's trainer API: :mod:`integrations.vllm.trainer`, which also registers it when
+  speak vLLM's trainer API: :mod:`tensorhub.integrations.vllm.trainer`, which also registers it when
   imported, so a trainer process that loads no vLLM plug-ins gets it too).
 
 On engines that use either, it also hooks vLLM's engine core (:mod:`._engine_core`: the
@@ -45,10 +45,10 @@ def register() -> None:
         register_model_loader("tensorhub")(make_loader_class())
     if "tensorhub" not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            "tensorhub", "integrations.vllm.transfer", "TensorHubWeightTransferEngine")
+            "tensorhub", "tensorhub.integrations.vllm.transfer", "TensorHubWeightTransferEngine")
     if "tensorhub" not in WeightTransferTrainerFactory._registry:  # lazy: imported by a trainer only
         WeightTransferTrainerFactory.register_engine(
-            "tensorhub", "integrations.vllm.trainer", "TensorHubTrainerWeightTransferEngine")
+            "tensorhub", "tensorhub.integrations.vllm.trainer", "TensorHubTrainerWeightTransferEngine")
     from . import _engine_core, stamps
 
     _engine_core.install()  # acts only on engines with TensorHub's loader or backend
@@ -69,7 +69,7 @@ def _share_vllm_logging() -> None:
     vllm_logger = logging.getLogger("vllm")
     if not vllm_logger.handlers or logging.getLogger().handlers:
         return
-    for name in ("integrations.vllm", "integrations._core", "tensorhub"):
+    for name in ("tensorhub.integrations.vllm", "tensorhub.integrations._core", "tensorhub"):
         lg = logging.getLogger(name)
         if not lg.handlers:
             for h in vllm_logger.handlers:

@@ -12,7 +12,7 @@ and each of their TP ranks asks the seed ``GET /get_remote_instance_transfer_eng
 with one Mooncake ``batch_transfer_sync_read`` from the answer: the seed's Transfer Engine
 session ``host:port`` and, per parameter name, ``[address, numel, element_size]``.
 
-This server (``python -m integrations.sglang.seed --coordinator URL --model NAME
+This server (``python -m tensorhub.integrations.sglang.seed --coordinator URL --model NAME
 [--version N] [--layout L] [--host H] [--port P] [--lease-seconds S] [--max-leases N]``,
 or :class:`SeedServer` in any process) answers from the coordinator instead of from one
 engine: for rank R it takes a read lease on shard R of the model's engine-native layout
@@ -422,7 +422,7 @@ def _loopback(host: str) -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m integrations.sglang.seed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tensorhub.integrations.sglang.seed", description=__doc__.split("\n\n")[0])
     p.add_argument("--coordinator", help="coordinator URL (default: $TENSORHUB_COORDINATOR)")
     p.add_argument("--model", required=True, help="model name on the coordinator")
     p.add_argument("--version", default="latest", help="version to serve (default: the newest complete)")

@@ -1,7 +1,7 @@
 """SGLang's hooks into the engine-neutral core: its ranks and its layer groups.
 
 Runs in every SGLang scheduler process (one per TP/PP rank). The core
-(:mod:`integrations._core.worker`) connects, resolves, fetches and loads; SGLang tells it
+(:mod:`tensorhub.integrations._core.worker`) connects, resolves, fetches and loads; SGLang tells it
 its ranks (:func:`engine`: every pipeline stage x TP rank, from SGLang's
 ``parallel_state``; :func:`stage`: this stage's TP group, over which the per-stage native
 layout is chosen) and how its checkpoint names group into layers (:func:`layer_groups`).
@@ -65,5 +65,5 @@ HOOKS = worker.EngineHooks("sglang", engine, layer_groups)
 
 
 def connect(settings: Settings) -> worker.WorkerState:
-    """This process's state (the core's :func:`~integrations._core.worker.connect`)."""
+    """This process's state (the core's :func:`~tensorhub.integrations._core.worker.connect`)."""
     return worker.connect(settings, HOOKS)

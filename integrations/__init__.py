@@ -1,1 +1,0 @@
-"""Engine adapters (vLLM, SGLang). Each imports its engine lazily, inside functions."""
