@@ -147,7 +147,7 @@ def subscribe(st: Any, now: float, req: AcquireLease, wait: float) -> Optional[L
     subscription waits for :func:`bind`."""
     if req.request_id is None or not req.pipelined:
         raise InvalidRequestError("a lease asked ahead needs request_id and pipelined")
-    hit = st.lease_requests.get((req.worker_id, req.request_id))
+    hit = st.grants.lease_requests.get((req.worker_id, req.request_id))
     if hit is not None:
         lease = st.leases.get(hit[0])
         if lease is not None and lease.expires >= now:  # bound while the reader was between two polls
@@ -194,7 +194,7 @@ def granted(st: Any, at: AcquireLease, grant: LeaseGrant, refused: str) -> Lease
     if not refused and update["sums"] is None:
         return grant
     grant = grant.model_copy(update=update)
-    st.lease_requests[(at.worker_id, str(at.request_id))] = (grant.lease_id, grant)
+    st.grants.lease_requests[(at.worker_id, str(at.request_id))] = (grant.lease_id, grant)
     return grant
 
 
@@ -228,11 +228,11 @@ def bind(st: Any, now: float, models: set) -> list[tuple[str, str, Bound]]:
             reqs.append((r, at, refused))
             pk = st.join_ahead(now, at)
             if pk is not None:
-                plans[pk] = st.plans[pk]
+                plans[pk] = st.grants.plans[pk]
         for plan in plans.values():
             plan.fix()  # type: ignore[attr-defined]
-        first = [x for x in reqs if st.plan_of.get((_key(x[1]), x[0].worker_id)) in plans]
-        rest = [x for x in reqs if st.plan_of.get((_key(x[1]), x[0].worker_id)) not in plans]
+        first = [x for x in reqs if st.grants.plan_of.get((_key(x[1]), x[0].worker_id)) in plans]
+        rest = [x for x in reqs if st.grants.plan_of.get((_key(x[1]), x[0].worker_id)) not in plans]
         first.sort(key=lambda x: _order(st, x[1], x[0].worker_id))
         out += [(r.worker_id, str(r.request_id), (at, refused)) for r, at, refused in first + rest]
     return out
@@ -244,7 +244,7 @@ def grant(st: Any, now: float, at: AcquireLease, refused: str) -> LeaseGrant:
     try:
         return granted(st, at, st.acquire_lease(now, at), refused)
     finally:
-        st.joined.pop((_key(at), at.worker_id), None)
+        st.grants.joined.pop((_key(at), at.worker_id), None)
 
 
 def _key(req: AcquireLease) -> tuple:
@@ -253,6 +253,6 @@ def _key(req: AcquireLease) -> tuple:
 
 def _order(st: Any, req: AcquireLease, worker: str) -> int:
     """A member's place in its plan (arrival order): the order its answer is sent in."""
-    pk = st.plan_of.get((_key(req), worker))
-    plan = st.plans.get(pk) if pk is not None else None
+    pk = st.grants.plan_of.get((_key(req), worker))
+    plan = st.grants.plans.get(pk) if pk is not None else None
     return plan.order.get(worker, 0) if plan is not None else 0  # type: ignore[attr-defined]

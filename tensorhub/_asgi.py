@@ -25,6 +25,7 @@ from ._exceptions import (
 from ._ahead import warm
 from ._coordinator import NOT_LEADER, Coordinator, before_disk_wait
 from .protocol import Heartbeat, MAX_BODY_BYTES, AcquireLease, FetchReport, RegisterReplica, manifest_json
+from .protocol.answers import HeartbeatAnswer, ReplicaRegistered
 from .protocol.routes import ROUTES, gate_rank
 
 
@@ -234,7 +235,8 @@ class _FastHeartbeat:
         wid = m.group(1)
         try:
             w = self.coord.call(lambda now: self.coord.state.heartbeat(now, wid), soft=True)
-            resp = JSONResponse(_heartbeat_answer(self.coord, w) | {"fetches": _record_all(self.coord, wid, reports)})
+            resp = JSONResponse(_heartbeat_answer(self.coord, w, _record_all(self.coord, wid, reports))
+                                .model_dump(exclude_unset=True))
         except CoordinatorError as e:
             resp = _not_leader(self.coord, scope) if e.code == NOT_LEADER else error_response(e)
         await resp(scope, receive, send)
@@ -327,7 +329,7 @@ def _wait_of(query: bytes) -> Optional[float]:
     return w if w is not None and 0.0 <= w <= 60.0 else None
 
 
-async def _register(coord: Coordinator, req: RegisterReplica) -> dict:
+async def _register(coord: Coordinator, req: RegisterReplica) -> ReplicaRegistered:
     """``POST /v1/replicas`` (the route, and ``_Registration``)."""
     if req.release:  # a reader's last call of a read: release its leases, then register
         rid, complete, released = await coord.acall(lambda now: coord.state.release_and_register(now, req))
@@ -339,7 +341,8 @@ async def _register(coord: Coordinator, req: RegisterReplica) -> dict:
     logger.debug("replica %s: %s v%d layout %r shard %d/%d on worker %s%s", rid or "(not registered)",
                  req.model, req.version, req.layout, req.shard, req.num_shards, req.worker_id,
                  " (partial)" if req.partial else " (version complete)" if complete else "")
-    return {"replica_id": rid, "complete": complete} | ({"released": released} if released is not None else {})
+    return ReplicaRegistered(replica_id=rid, complete=complete,
+                             **({"released": released} if released is not None else {}))
 
 
 def _parse_registration(body: bytes, subscribed: Callable[[str], bool] = lambda model: False) -> RegisterReplica:
@@ -390,7 +393,7 @@ class _Registration:
         except ValueError:  # the route answers it (422 as always)
             return await self.app(scope, _replay(body, receive), send)
         try:
-            resp = JSONResponse(await _register(self.coord, req))
+            resp = JSONResponse((await _register(self.coord, req)).model_dump(exclude_unset=True))
         except CoordinatorError as e:
             resp = _not_leader(self.coord, scope) if e.code == NOT_LEADER else error_response(e)
         await resp(scope, receive, send)
@@ -479,10 +482,12 @@ def _qzero(q: str) -> bool:
         return False
 
 
-def _heartbeat_answer(coord: Coordinator, w: Any) -> dict:
-    """The epoch, and what the worker served since this coordinator started (its Hub turns
-    these totals into its ``tensorhub_hub_served_*`` counters)."""
-    return {"epoch": coord.state.epoch, "served_leases": w.served_leases, "served_bytes": w.served_bytes}
+def _heartbeat_answer(coord: Coordinator, w: Any, fetches: int) -> HeartbeatAnswer:
+    """The epoch, what the worker served since this coordinator started (its Hub turns
+    these totals into its ``tensorhub_hub_served_*`` counters), and how many of the fetch
+    reports the heartbeat carried were recorded."""
+    return HeartbeatAnswer(epoch=coord.state.epoch, served_leases=w.served_leases, served_bytes=w.served_bytes,
+                           fetches=fetches)
 
 
 #: The HTTP status of each refusal of the state machine (which knows no HTTP); the first

@@ -1,6 +1,8 @@
-"""The coordinator's lease decisions (``CoordinatorState.acquire_lease`` and its helpers),
-a mixin of :class:`tensorhub._state.CoordinatorState`: pure, no I/O and no clock, like the
-rest of the state machine (its invariants are listed there).
+"""The coordinator's lease decisions (``CoordinatorState.acquire_lease`` and its helpers):
+pure, no I/O and no clock, like the rest of the state machine (its invariants are listed in
+``_state``). :class:`Grants` is given what it decides over, explicitly: the catalog, the
+registry, the timing knobs, and ``now`` on every call (the state's clamped clock); it owns
+only its own tables (plans, seeders, answered requests).
 
 Two paths (issue 13: the coordinator's work per reader must not grow with the fleet):
 
@@ -22,6 +24,7 @@ import secrets
 from typing import Callable, Iterator, Optional
 
 from . import _addresses
+from ._catalog import Catalog
 from ._checksum import count
 from ._exceptions import ConflictError, InvalidRequestError, NotFoundError
 from ._kept import KeptBy
@@ -29,7 +32,8 @@ from ._planner import (
     COST_DC, LEVELS, Candidate, Choice, choose_sources, chunk_order, claims, grid_chunk_bytes, group_key, locality_cost,
     reserve_chunks, start_fraction, start_reverse,
 )
-from ._registry import Lease, Replica, ShardKey, Worker
+from ._registry import Lease, Registry, Replica, ShardKey, Worker
+from ._state_config import StateConfig
 from ._slices import SLICED
 from ._stripes import HOSTS_IN_PLANS, MIN_CHUNKS, NONE, STRIPES, WAN, Plan, plan_root, relayed, wan_root, wan_stripes
 from .protocol import AcquireLease, LeaseGrant, Manifest, RegisterReplica, ReplicaInfo
@@ -64,25 +68,70 @@ def keep_grid(man: Manifest, grid: tuple[int, int]) -> None:
     _GRIDS.get(man, lambda: grid)
 
 
+#: Registers a new pipelined lease's partial replica (``CoordinatorState.register_replica``):
+#: (now, its registration) -> (replica id, complete).
+Offer = Callable[[float, RegisterReplica], tuple[str, bool]]
+
+
 class Grants:
-    """The lease decisions of ``CoordinatorState`` (which provides the tables they use)."""
+    """The lease decisions over ``catalog`` and ``registry`` (``CoordinatorState`` holds one).
+    ``new_id(prefix)`` names leases; ``offer`` registers a serving reader's partial replica;
+    until ``reregister_until`` (a restart's re-registration window; -inf when not restored)
+    no version is called gone."""
+
+    def __init__(self, catalog: Catalog, registry: Registry, config: StateConfig, *,
+                 new_id: Callable[[str], str], offer: Offer, reregister_until: float = float("-inf")):
+        self.catalog, self.registry, self.config = catalog, registry, config
+        self.new_id, self.offer, self.reregister_until = new_id, offer, reregister_until
+        #: (model, version, layout, shard, level, *group) -> (seeder worker id, named at);
+        #: level and group as in ``_planner.group_key`` (host, zone, datacenter).
+        self.seeders: dict[tuple, tuple[str, float]] = {}
+        #: (worker, request_id) -> (lease id, grant): leases already answered (soft).
+        self.lease_requests: dict[tuple[str, str], tuple[str, LeaseGrant]] = {}
+        #: shard key -> leases granted on it so far (:meth:`_arrival`).
+        self._arrivals: dict[ShardKey, int] = {}
+        #: Striped plans (``_stripes``): (shard key, datacenter or ``WAN``, root) -> plan, and
+        #: (shard key, worker) -> the plan it is a member of.
+        self.plans: dict[tuple, Plan] = {}
+        self.plan_of: dict[tuple, tuple] = {}
+        #: (shard key, worker) -> its serve offer's answer, for subscribers put into a plan
+        #: before their grant is made (:meth:`join_ahead`).
+        self.joined: dict[tuple, tuple[Optional[str], str]] = {}
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        return self.registry.workers
+
+    def forget(self, now: float) -> None:
+        """Expiry (``CoordinatorState.expire``): answered requests whose lease is gone,
+        seeders that are gone, plans unused for two lease TTLs."""
+        for key in [k for k, (lid, _) in self.lease_requests.items() if lid not in self.registry.leases]:
+            del self.lease_requests[key]
+        for key in [k for k, (wid, _) in self.seeders.items() if wid not in self.workers]:
+            del self.seeders[key]
+        for pk in [pk for pk, p in self.plans.items() if now > p.last_used + 2 * self.config.lease_ttl]:
+            for w in self.plans.pop(pk).replicas:
+                self.plan_of.pop((pk[0], w), None)
 
     def acquire_lease(self, now: float, req: AcquireLease) -> LeaseGrant:
         """A reader asks to read (model, version, layout, shard). Asked again with the same
         ``request_id`` while that lease is open, it answers the first grant again. Under a
-        striped plan its work does not grow with the shard's readers (module docstring)."""
-        now = self._now(now)
-        reader = self._worker(req.worker_id)
+        striped plan its work does not grow with the shard's readers (module docstring).
+        ``now``: the state's clamped clock."""
+        reader = self.workers.get(req.worker_id)
+        if reader is None:
+            raise NotFoundError(f"unknown worker {req.worker_id!r}; register again", "unknown_worker")
+        leases = self.registry.leases
         if req.request_id is not None and req.lease_id is None:
             hit = self.lease_requests.get((req.worker_id, req.request_id))
-            if hit is not None and hit[0] in self.leases and self.leases[hit[0]].expires >= now:
+            if hit is not None and hit[0] in leases and leases[hit[0]].expires >= now:
                 # (granted before this retry arrived: the reader trusts it from then on)
-                return hit[1].model_copy(update={"granted_after": min(0.0, self.leases[hit[0]].granted_at - now)})
+                return hit[1].model_copy(update={"granted_after": min(0.0, leases[hit[0]].granted_at - now)})
         self._check_sliced(now, req)
         li = self.catalog.layout(req.model, req.version, req.layout, req.shard)
         excluded = set(req.exclude)
         key = ShardKey(req.model, req.version, req.layout, req.shard)
-        refresh = self.leases.get(req.lease_id) if req.lease_id is not None else None
+        refresh = leases.get(req.lease_id) if req.lease_id is not None else None
         if refresh is not None and (refresh.worker_id != req.worker_id or refresh.expires < now
                                     or refresh.key != key):
             raise ConflictError(f"lease {req.lease_id} has lapsed or is not this reader's; read again",
@@ -115,7 +164,7 @@ class Grants:
             # Keep naming replicas an earlier answer sent it to: reads from them may still run.
             self.registry.name_replicas(lease, ids)  # expiry: renew only
         else:
-            lid = self._new_id("l")
+            lid = self.new_id("l")
             k = self._arrival(key)
             lease = Lease(lid, req.worker_id, req.model, req.version, req.layout, req.shard, ids, now,
                           now + self.config.lease_ttl, start_fraction(k), start_reverse(k),
@@ -141,7 +190,7 @@ class Grants:
             lease.reserved = reserve_chunks(chunk_order(own_num, lease.start, lease.reverse), own, claimed,
                                             lease.reserved)
             reserved = sorted(lease.reserved)
-        chunk_bytes = self._chunk_bytes(key, li.manifests[req.shard]) if req.pipelined else 0
+        chunk_bytes = grid_of(li.manifests[req.shard])[0] if req.pipelined else 0
         partial_id, refused = offered if offered is not None else \
             self._serve_offer(now, req, li.num_shards) if refresh is None else (None, "")
         grant = LeaseGrant(
@@ -362,11 +411,6 @@ class Grants:
             plan = self.plans[pk] = Plan(root, stripes, now)
         return plan, pk
 
-    def _chunk_bytes(self, key: ShardKey, man: Manifest) -> int:
-        """The shard's chunk grid (``grid_chunk_bytes`` of its size: a sum over every tensor,
-        so kept per manifest, :func:`grid_of`, rather than summed again for every lease)."""
-        return grid_of(man)[0]
-
     def _serve_offer(self, now: float, req: AcquireLease, num_shards: int) -> tuple[Optional[str], str]:
         """Register the partial replica a new pipelined lease offers (``req.serve``):
         (its id, "") or (None, why it was refused); the lease stands either way."""
@@ -376,7 +420,7 @@ class Grants:
         try:
             # Built from fields already validated (the lease request and its offer, the same
             # constraints): not validated again, which for 50,000 addresses is ~6 ms a lease.
-            rid, _ = self.register_replica(now, RegisterReplica.model_construct(
+            rid, _ = self.offer(now, RegisterReplica.model_construct(
                 worker_id=req.worker_id, model=req.model, version=req.version, layout=req.layout, shard=req.shard,
                 num_shards=num_shards, manifest=None, manifest_digest=o.manifest_digest, addresses=o.addresses,
                 address_runs=o.address_runs,
@@ -412,10 +456,10 @@ class Grants:
         (a plain reader registers its copy after reading), and re-registration after a
         restart (within ``worker_ttl`` of boot) is over."""
         model, version = key.model, key.version
-        newest = self.latest(model)
+        newest = self.catalog.latest(model)
         if newest is None or version >= newest:
             return
-        if self.restored and now <= self.boot_time + self.config.worker_ttl:
+        if now <= self.reregister_until:
             return
         if any(r.worker_id != reader for r in itertools.chain(self.registry.replicas_of_shard(key),
                                                               self.registry.tombstones_of_shard(key))):

@@ -63,16 +63,15 @@ from __future__ import annotations
 import hmac
 import itertools
 import secrets
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from . import _addresses, _ahead
 from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
 from ._exceptions import ConflictError, InvalidRequestError, ManifestMismatchError, NotFoundError, RetentionError
 from ._grants import KEPT, Grants, grid_of, keep_grid
+from ._state_config import StateConfig
 from ._planner import locality_cost
 from ._registry import Lease, Registry, Replica, ShardKey, Worker
-from ._stripes import Plan
 from ._views import FETCH_STALE, metrics_view, record_fetch, status_view
 from .protocol import (AcquireLease, FetchReport, LeaseGrant, Locality, Manifest, RegisterReplica, SwapReport,
                        is_delta_layout, keep_like, lease_proof, manifest_digest, shape_digest)
@@ -89,47 +88,10 @@ DIGESTS_KEPT = KEPT
 RETIRE_PER_TICK = 8
 
 
-@dataclass(frozen=True)
-class StateConfig:
-    """Timing knobs of the coordinator (seconds)."""
-
-    #: How long a read lease stays valid without renewal.
-    lease_ttl: float = 30.0
-    #: A worker that has not heart-beaten for this long is dead; its replicas are dropped.
-    worker_ttl: float = 10.0
-    #: How long a replica reported as failing gets no new leases.
-    suspect_ttl: float = 30.0
-    #: How long a group's resolved version is remembered.
-    group_ttl: float = 600.0
-    #: Source-choice policy (``_planner.POLICIES``): ``topology``, or the benchmarks'
-    #: ``single-source`` baseline.
-    policy: str = "topology"
-    #: Retention of metadata: a model keeps the manifests of its newest ``keep_versions``
-    #: complete versions, of any newer version still being published, and of every version
-    #: something still holds, reads or was told to read (a group's answer); older ones are
-    #: retired (their numbers are never handed out again).
-    keep_versions: int = 16
-    #: A gap with no call at all longer than this (the coordinator was paused, e.g.
-    #: SIGSTOP, or starved) gives every worker a fresh ``worker_ttl`` instead of expiring
-    #: them all at once. None: ``worker_ttl / 2`` (the shell ticks every second or faster).
-    pause_grace: Optional[float] = None
-    #: Striped plans for pipelined readers where one source is scarce (``_stripes``);
-    #: False: the readers choose chunks among their sources by their chunk maps alone.
-    plans: bool = True
-    #: An allocated version that is not complete is a publish in progress (its ranks may not
-    #: have registered anything yet): retention keeps it for this long after its allocation
-    #: (on this incarnation's clock; one restored from the store counts from the restart),
-    #: and for as long as anything names it; then it is abandoned and may be retired.
-    abandon_after: float = 600.0
-
-    @property
-    def gap(self) -> float:
-        return self.worker_ttl / 2 if self.pause_grace is None else self.pause_grace
-
-
-class CoordinatorState(Grants):
+class CoordinatorState:
     """The durable catalog, the soft registry, and the decisions over both; the HTTP
-    shell holds one and a lock around it."""
+    shell holds one and a lock around it. The lease decisions are :class:`Grants`'s
+    (``self.grants``), given the catalog, the registry and the clamped clock."""
 
     def __init__(self, config: StateConfig = StateConfig(), *, now: float = 0.0, restored: bool = False,
                  catalog: Optional[Catalog] = None):
@@ -141,13 +103,8 @@ class CoordinatorState(Grants):
         self.catalog = catalog if catalog is not None else Catalog()
         self.registry = Registry()
         self.groups: dict[tuple[str, str], tuple[int, float]] = {}
-        #: (model, version, layout, shard, level, *group) -> (seeder worker id, named at);
-        #: level and group as in ``_planner.group_key`` (host, zone, datacenter).
-        self.seeders: dict[tuple, tuple[str, float]] = {}
         #: (worker, model, version, layout, shard) -> (last report of a running fetch, at)
         self.fetching: dict[tuple, tuple[FetchReport, float]] = {}
-        #: (worker, request_id) -> (lease id, grant): leases already answered (soft).
-        self.lease_requests: dict[tuple[str, str], tuple[str, LeaseGrant]] = {}
         #: The largest ``now`` seen (time never moves back) and when it was seen.
         self.clock = now
         #: Workers given a fresh ttl after a pause (invariant 9), counted for ``/metrics``.
@@ -155,17 +112,11 @@ class CoordinatorState(Grants):
         self._ids = itertools.count(1)
         #: (model, version, layout, shard) -> digest of its manifest (registration by digest).
         self._digests: dict[tuple, str] = {}
-        #: shard key -> leases granted on it so far (``Grants._arrival``).
-        self._arrivals: dict[ShardKey, int] = {}
-        #: Striped plans (``_stripes``): (shard key, datacenter or ``WAN``, root) -> plan, and
-        #: (shard key, worker) -> the plan it is a member of.
-        self.plans: dict[tuple, Plan] = {}
-        self.plan_of: dict[tuple, tuple] = {}
+        #: The lease decisions, and their plans, seeders and answered requests.
+        self.grants = Grants(self.catalog, self.registry, config, new_id=self._new_id, offer=self._offer,
+                             reregister_until=now + config.worker_ttl if restored else float("-inf"))
         #: Leases asked ahead, held until their version completes (``_ahead``).
         self.ahead = _ahead.Subscriptions()
-        #: (shard key, worker) -> its serve offer's answer, for subscribers put into a plan
-        #: before their grant is made (``Grants.join_ahead``).
-        self.joined: dict[tuple, tuple[Optional[str], str]] = {}
         #: (model, version) -> when this incarnation allocated it, while it is not complete
         #: (retention's ``abandon_after``; soft: a restored version counts from the boot).
         self.allocated_at: dict[tuple[str, int], float] = {}
@@ -221,6 +172,19 @@ class CoordinatorState(Grants):
         """Rebuild from durable rows (in any order of tables as produced by ``durable_rows``)."""
         rows = list(rows)
         return cls(config, now=now, restored=bool(rows), catalog=Catalog.restore(rows))
+
+    @property
+    def config(self) -> StateConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: StateConfig) -> None:
+        self._config = config
+        if "grants" in self.__dict__:
+            self.grants.config = config
+
+    def _offer(self, now: float, req: RegisterReplica) -> tuple[str, bool]:
+        return self.register_replica(now, req)  # (looked up per call: a harness may wrap it)
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{self.epoch}-{next(self._ids)}"
@@ -289,18 +253,12 @@ class CoordinatorState(Grants):
             self.registry.drop_lease(lid)
         for rid in [rid for rid in self.tombstones if not self.registry.leased(rid, now)]:
             self.registry.drop_tombstone(rid)
-        for key in [k for k, (lid, _) in self.lease_requests.items() if lid not in self.leases]:
-            del self.lease_requests[key]
         for key in [k for k, (_, exp) in self.groups.items() if now > exp]:
             del self.groups[key]
-        for key in [k for k, (wid, _) in self.seeders.items() if wid not in self.workers]:
-            del self.seeders[key]
         for key in [k for k, (_, at) in self.fetching.items() if now > at + FETCH_STALE]:
             del self.fetching[key]
         self.ahead.expire(now)
-        for pk in [pk for pk, p in self.plans.items() if now > p.last_used + 2 * self.config.lease_ttl]:
-            for w in self.plans.pop(pk).replicas:
-                self.plan_of.pop((pk[0], w), None)
+        self.grants.forget(now)
         self.retire(now)
         return dead
 
@@ -470,6 +428,15 @@ class CoordinatorState(Grants):
                 self._digests.pop(next(iter(self._digests)))
         return digest
 
+    # ----------------------------------------------------------------- leases
+    def acquire_lease(self, now: float, req: AcquireLease) -> LeaseGrant:
+        """A reader asks to read a shard: :meth:`Grants.acquire_lease` on this clock."""
+        return self.grants.acquire_lease(self._now(now), req)
+
+    def join_ahead(self, now: float, req: AcquireLease) -> Optional[tuple]:
+        """A bound subscriber joins its plan before any grant (:meth:`Grants.join_ahead`)."""
+        return self.grants.join_ahead(self._now(now), req)
+
     # ----------------------------------------------------------------- subscribing ahead
     def subscribe(self, now: float, req: AcquireLease, wait: float) -> Optional[LeaseGrant]:
         """A lease asked ahead (``_ahead.subscribe``): a grant now, or None (held)."""
@@ -488,17 +455,11 @@ class CoordinatorState(Grants):
         where = f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}"
         if known is None:
             raise ConflictError(f"partial replica of {where}, which has no complete replica yet", "unknown_layout")
-        key = ShardKey(req.model, req.version, req.layout, req.shard)
-        grid = self._chunk_bytes(key, known)
-        chunks = self._grid_chunks(key, known)
+        grid, chunks = grid_of(known)
         if req.chunk_bytes != grid or req.num_chunks != chunks:
             raise ConflictError(
                 f"partial replica of {where}: chunk grid {req.chunk_bytes} bytes x {req.num_chunks} "
                 f"!= the shard's {grid} bytes x {chunks}", "bad_chunk_grid")
-
-    def _grid_chunks(self, key: ShardKey, known: Manifest) -> int:
-        """How many chunks the shard's grid has (``_grants.grid_of``)."""
-        return grid_of(known)[1]
 
     def add_chunks(self, now: float, replica_id: str, worker_id: str, chunks: Iterable[int],
                    lease_ids: Iterable[str] = (), coming: Optional[Iterable[int]] = None) -> int:

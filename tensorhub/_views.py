@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ._planner import locality_cost
+from .protocol.answers import LayoutView, ReplicaView, VersionView
 
 __all__ = ["metrics_view", "status_view", "version_view", "record_fetch", "FETCH_STALE", "DISTANCES"]
 
@@ -100,19 +101,18 @@ def _partial(st: Any, r: Any) -> Optional[str]:
     return f"{k}/{r.num_chunks}"
 
 
-def version_view(st: Any, now: float, model: str, version: int) -> dict:
+def version_view(st: Any, now: float, model: str, version: int) -> VersionView:
     """One version: complete or not, its layouts, its replicas now (by the registry's
     version index: no scan of the rest)."""
     vi = st.catalog.version(model, version)
     reps = sorted(st.registry.replicas_of_version(model, version), key=lambda r: r.registered_at)
-    return {
-        "model": model, "version": version, "complete": vi.complete,
-        "layouts": _layouts(vi),
-        "replicas": [{"replica_id": r.replica_id, "worker_id": r.worker_id, "layout": r.layout, "shard": r.shard,
-                      "draining": r.draining, "suspect": r.suspect_until > now,
-                      "partial": _partial(st, r)}
-                     for r in reps],
-    }
+    return VersionView(
+        model=model, version=version, complete=vi.complete,
+        layouts={k: LayoutView(**v) for k, v in _layouts(vi).items()},
+        replicas=[ReplicaView(replica_id=r.replica_id, worker_id=r.worker_id, layout=r.layout, shard=r.shard,
+                              draining=r.draining, suspect=r.suspect_until > now, partial=_partial(st, r))
+                  for r in reps],
+    )
 
 
 def status_view(st: Any, now: float) -> dict:

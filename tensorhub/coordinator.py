@@ -45,6 +45,8 @@ from ._views import version_view
 from .protocol import (Heartbeat, MAX_BODY_BYTES, MAX_NAME_LEN, MAX_SHARDS, MAX_VERSION, AcquireLease,
                        AllocateVersion, FetchReport, LeaseCovers, RegisterReplica, RegisterWorker, Report,
                        ReportChunks, Resolve, SwapReport, Unpublish)
+from .protocol.answers import (ChunksHeld, HeartbeatAnswer, Released, Renewed, ReplicaRegistered, Unpublished,
+                               VersionAnswer, VersionView, WorkerRegistered, WorkerRemoved)
 from .protocol.routes import ROUTES
 
 __all__ = ["Coordinator", "EmbeddedCoordinator", "create_app", "serve", "ha_coordinator", "listen_socket",
@@ -141,23 +143,23 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
                 "worker_ttl": c.worker_ttl, "suspect_ttl": c.suspect_ttl, "max_body_bytes": MAX_BODY_BYTES}
 
     @_on(app, "register_worker")
-    async def register_worker(req: RegisterWorker) -> dict:
+    async def register_worker(req: RegisterWorker) -> WorkerRegistered:
         coord.call(lambda now: st().register_worker(now, req.worker_id, req.endpoint, req.locality), soft=True)
-        return {"epoch": coord.state.epoch, "worker_ttl": coord.config.worker_ttl,
-                "lease_ttl": coord.config.lease_ttl, "address_runs": True, "lease_secrets": True,
-                "ahead": True, "register_like": True}
+        return WorkerRegistered(epoch=coord.state.epoch, worker_ttl=coord.config.worker_ttl,
+                                lease_ttl=coord.config.lease_ttl, address_runs=True, lease_secrets=True,
+                                ahead=True, register_like=True)
 
     @_on(app, "heartbeat")
-    async def heartbeat(worker_id: str = _id(), req: Optional[Heartbeat] = Body(default=None)) -> dict:
+    async def heartbeat(worker_id: str = _id(), req: Optional[Heartbeat] = Body(default=None)) -> HeartbeatAnswer:
         """A worker is alive; its body (optional) carries its fetch reports since the last
         one (progress folded into heartbeats), recorded as ``POST /v1/fetches`` would."""
         w = coord.call(lambda now: st().heartbeat(now, worker_id), soft=True)
-        return _heartbeat_answer(coord, w) | {"fetches": _record_all(coord, worker_id, req.fetches if req else [])}
+        return _heartbeat_answer(coord, w, _record_all(coord, worker_id, req.fetches if req else []))
 
     @_on(app, "remove_worker")
-    async def remove_worker(worker_id: str = _id()) -> dict:
+    async def remove_worker(worker_id: str = _id()) -> WorkerRemoved:
         n = coord.call(lambda now: st().remove_worker(now, worker_id), soft=True)
-        return {"replicas_dropped": n}
+        return WorkerRemoved(replicas_dropped=n)
 
     @_on(app, "models")
     def models() -> list:
@@ -167,16 +169,16 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         ])
 
     @_on(app, "allocate_version")
-    async def allocate(model: str = _model(), req: AllocateVersion = Body(default=AllocateVersion())) -> dict:
-        return {"version": await coord.acall(lambda now: st().allocate_version(now, model, req.version,
-                                                                                req.request_id))}
+    async def allocate(model: str = _model(), req: AllocateVersion = Body(default=AllocateVersion())) -> VersionAnswer:
+        return VersionAnswer(version=await coord.acall(lambda now: st().allocate_version(now, model, req.version,
+                                                                                          req.request_id)))
 
     @_on(app, "latest")
     async def latest(
         model: str = _model(),
         newer_than: Optional[int] = Query(default=None, ge=0, le=MAX_VERSION),
         wait: float = Query(default=0.0, ge=0.0, le=60.0),
-    ) -> dict:
+    ) -> VersionAnswer:
         """Newest complete version (``null`` if none). With ``wait``, hold the request up
         to that many seconds until a version newer than ``newer_than`` is complete."""
         deadline = time.monotonic() + wait
@@ -186,7 +188,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
                 v = await coord.aread(lambda: st().latest(model, newer_than))
                 left = deadline - time.monotonic()
                 if v is not None or left <= 0:
-                    return {"version": v}
+                    return VersionAnswer(version=v)
                 await asyncio.wait_for(woken, left)
             except asyncio.TimeoutError:
                 pass
@@ -194,15 +196,16 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
                 coord.watch.forget(model, woken)
 
     @_on(app, "resolve")
-    async def resolve(model: str = _model(), req: Resolve = Body(default=Resolve())) -> dict:
-        return {"version": await coord.acall(lambda now: st().resolve(now, model, req.group, req.newer_than))}
+    async def resolve(model: str = _model(), req: Resolve = Body(default=Resolve())) -> VersionAnswer:
+        return VersionAnswer(version=await coord.acall(lambda now: st().resolve(now, model, req.group,
+                                                                                 req.newer_than)))
 
     @_on(app, "register_replica")
-    async def register_replica(req: RegisterReplica) -> dict:
+    async def register_replica(req: RegisterReplica) -> ReplicaRegistered:
         return await _register(coord, req)
 
     @_on(app, "version")
-    def version_info(model: str = _model(), version: int = _version()) -> dict:
+    def version_info(model: str = _model(), version: int = _version()) -> VersionView:
         """One version now: complete or not, its layouts, its replicas (``VersionView``)."""
         return coord.read(lambda: version_view(st(), coord.clock(), model, version))
 
@@ -222,12 +225,12 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
                         headers={"Vary": "Accept-Encoding"} if enc.gzip is not None else None)
 
     @_on(app, "unpublish")
-    async def unpublish(req: Unpublish, model: str = _model(), version: int = _version()) -> dict:
+    async def unpublish(req: Unpublish, model: str = _model(), version: int = _version()) -> Unpublished:
         drained, open_ = await coord.acall(lambda now: st().unpublish(now, req.worker_id, model, version,
                                                                  req.replica_ids))
         if drained:
             logger.info("worker %s unpublished %s v%d", req.worker_id, model, version)
-        return {"drained": drained, "open_leases": open_}
+        return Unpublished(drained=drained, open_leases=open_)
 
     @_on(app, "report_replica")
     async def report(req: Report, replica_id: str = _id()) -> dict:
@@ -241,10 +244,10 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         return {}
 
     @_on(app, "report_chunks")
-    async def report_chunks(req: ReportChunks, replica_id: str = _id()) -> dict:
+    async def report_chunks(req: ReportChunks, replica_id: str = _id()) -> ChunksHeld:
         """A partial replica's holder: these chunks are complete in its memory."""
-        return {"held": coord.call(lambda now: st().add_chunks(now, replica_id, req.worker_id, req.chunks,
-                                                                          req.lease_ids, req.coming), soft=True)}
+        return ChunksHeld(held=coord.call(lambda now: st().add_chunks(now, replica_id, req.worker_id, req.chunks,
+                                                                      req.lease_ids, req.coming), soft=True))
 
     @_on(app, "acquire_lease")
     async def acquire(req: AcquireLease, wait: float = Query(default=0.0, ge=0.0, le=60.0)) -> Response:
@@ -256,20 +259,20 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         return Response(await _lease(coord, req, wait), media_type="application/json")
 
     @_on(app, "renew_lease")
-    async def renew(lease_id: str = _id()) -> dict:
-        return {"ttl": coord.call(lambda now: st().renew_lease(now, lease_id), soft=True)}
+    async def renew(lease_id: str = _id()) -> Renewed:
+        return Renewed(ttl=coord.call(lambda now: st().renew_lease(now, lease_id), soft=True))
 
     @_on(app, "release_lease")
-    async def release(lease_id: str = _id()) -> dict:
-        return {"valid": coord.call(lambda now: st().release_lease(now, lease_id), soft=True)}
+    async def release(lease_id: str = _id()) -> Released:
+        return Released(valid=coord.call(lambda now: st().release_lease(now, lease_id), soft=True))
 
     @_on(app, "lease_covers")
-    async def covers(req: LeaseCovers, lease_id: str = _id()) -> dict:
+    async def covers(req: LeaseCovers, lease_id: str = _id()) -> Released:
         # same-host reads (transport/_shm): may this reader, which proved its lease, map
         # that replica's memory? (A POST: the proof stays out of URLs. Older holders' GET
         # finds no route: they hand out nothing, and their readers read over Mooncake.)
-        return {"valid": coord.call(lambda now: st().lease_covers(now, lease_id, req.replica_id, req.worker_id,
-                                                                  req.proof, req.endpoint), soft=True)}
+        return Released(valid=coord.call(lambda now: st().lease_covers(now, lease_id, req.replica_id, req.worker_id,
+                                                                       req.proof, req.endpoint), soft=True))
 
     @_on(app, "status")
     def status() -> dict:

@@ -252,7 +252,7 @@ def test_a_bound_lease_is_answered_only_once_its_version_is_durable_and_never_if
                 worker_id="pub", model="m", version=v3, manifest=man, addresses=[1 << 20], num_shards=1)))
         store.fail = False
         assert len(delivered) == 1 and pending == [("w0", "q3", None)]
-        assert ("w0", "q3") not in st.lease_requests  # never granted
+        assert ("w0", "q3") not in st.grants.lease_requests  # never granted
         assert not [l for l in st.leases.values() if l.version == v3]
         assert coord.call(lambda now: _ask(st, 0, v2 + 1, now, man, request_id="q3")) is None  # held again
     finally:

@@ -91,7 +91,7 @@ def test_a_delta_layout_alone_never_completes_a_version():
     assert s.latest("m") == v1 and s.latest("m", newer_than=v1) is None
     assert s.resolve(1, "m", None) == v1
     view = version_view(s, 1, "m", v2)
-    assert not view["complete"] and view["layouts"][dl]["complete"]  # shown, complete as a layout
+    assert not view.complete and view.layouts[dl].complete  # shown, complete as a layout
     assert [v["complete"] for v in s.status(1)["models"][0]["versions"]] == [True, False]
     # v1's last holder may not leave: v2 has only a delta (useless without its base).
     with pytest.raises(RetentionError, match="last replica"):

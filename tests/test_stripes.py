@@ -461,12 +461,12 @@ def test_no_plans_config_turns_them_off():
 def test_plans_are_forgotten_when_unused():
     st, v, man = _state_with_version(3)
     _lease(st, v, man, 0, 0.0)
-    assert st.plans
+    assert st.grants.plans
     for k in range(3):
         st.heartbeat(200.0, f"w{k}")
     st.heartbeat(200.0, "pub")
     st.expire(200.0)
-    assert not st.plans and not st.plan_of
+    assert not st.grants.plans and not st.grants.plan_of
 
 
 def test_coordinator_stripes_across_datacenters_and_relays_the_publishers_stripes():
