@@ -67,23 +67,21 @@ from typing import Iterable, Optional
 
 from . import _addresses, _ahead
 from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
-from ._exceptions import ConflictError, InvalidRequestError, ManifestMismatchError, NotFoundError, RetentionError
-from ._grants import KEPT, Grants, grid_of, keep_grid
-from ._state_config import StateConfig
+from ._exceptions import ConflictError, NotFoundError, RetentionError
+from ._grants import Grants
+from ._manifest_refs import ManifestRefs
 from ._planner import locality_cost
 from ._registry import Lease, Registry, Replica, ShardKey, Worker
+from ._state_config import StateConfig
 from ._views import FETCH_STALE, metrics_view, record_fetch, status_view
 from .protocol import (AcquireLease, FetchReport, LeaseGrant, Locality, Manifest, RegisterReplica, SwapReport,
-                       is_delta_layout, keep_like, lease_proof, manifest_digest, shape_digest)
+                       is_delta_layout, lease_proof)
 
 __all__ = ["StateConfig", "CoordinatorState", "Write", "ShardKey"]
 
 # Re-exported: the types the state is made of (tests and the shell name them here).
 _ = (ALLOCATIONS_KEPT, LayoutInfo, ModelInfo, VersionInfo, Lease, Replica, Worker, locality_cost)
 
-#: Manifest digests kept (computed once per shard of a version; ~100 ms for 50,000 tensors):
-#: as many shards as the other per-shard memos (``_grants.KEPT``).
-DIGESTS_KEPT = KEPT
 #: Most versions one retention pass retires (the rest on the next tick).
 RETIRE_PER_TICK = 8
 
@@ -110,8 +108,8 @@ class CoordinatorState:
         #: Workers given a fresh ttl after a pause (invariant 9), counted for ``/metrics``.
         self.pauses = 0
         self._ids = itertools.count(1)
-        #: (model, version, layout, shard) -> digest of its manifest (registration by digest).
-        self._digests: dict[tuple, str] = {}
+        #: The manifests registrations refer to by digest or as an earlier version's.
+        self.refs = ManifestRefs(self.catalog)
         #: The lease decisions, and their plans, seeders and answered requests.
         self.grants = Grants(self.catalog, self.registry, config, new_id=self._new_id, offer=self._offer,
                              reregister_until=now + config.worker_ttl if restored else float("-inf"))
@@ -340,9 +338,9 @@ class CoordinatorState:
             return rid, complete
         now = self._now(now)
         self._worker(req.worker_id)
-        req = self._by_like(req) if req.like is not None else \
-            self._by_digest(req) if req.manifest is None else _addresses.checked(req)
-        self.catalog.add_manifest(req, self._check_partial if req.partial else None)
+        req = self.refs.by_like(req) if req.like is not None else \
+            self.refs.by_digest(req) if req.manifest is None else _addresses.checked(req)
+        self.catalog.add_manifest(req, self.refs.check_partial if req.partial else None)
         complete = self.catalog.version(req.model, req.version).complete  # a delta layout alone: not
         key = ShardKey(req.model, req.version, req.layout, req.shard)
         for r in self.registry.replica_of(req.worker_id, key):  # idempotent re-registration (same memory)
@@ -368,7 +366,7 @@ class CoordinatorState:
         now = self._now(now)
         self._worker(req.worker_id)
         if req.manifest is None:  # refused before any lease is released
-            req = self._by_digest(req)
+            req = self.refs.by_digest(req)
         released: dict[str, bool] = {}
         for lid in req.release:
             l = self.leases.get(lid)
@@ -378,55 +376,9 @@ class CoordinatorState:
         rid, complete = self.register_replica(now, req.model_copy(update={"release": []}))
         return rid, complete, released
 
-    def _by_digest(self, req: RegisterReplica) -> RegisterReplica:
-        """The request with the registered manifest its digest names (refused if the shard
-        has none yet, or another one)."""
-        known = self.catalog.manifest(req.model, req.version, req.layout, req.shard)
-        digest = self.digest_of(req.model, req.version, req.layout, req.shard, known)
-        if digest != req.manifest_digest:
-            raise ManifestMismatchError(
-                f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}: manifest digest "
-                f"{req.manifest_digest} != registered {digest}", "manifest_mismatch")
-        _addresses.check(req.addresses, req.address_runs, known, _addresses.invalid)
-        return req.model_copy(update={"manifest": known})
-
-    def _by_like(self, req: RegisterReplica) -> RegisterReplica:
-        """The request with its manifest made from an earlier version's (``ManifestLike``: a
-        publisher of a model trained in place sends that version's number and shape digest,
-        and this version's sums): the earlier version's registered manifest of the shard,
-        its tensors checked by shape digest, the sums by the count of its grid's chunks.
-        What follows from the earlier manifest (its canonical JSON's tensors, shape digest,
-        grid) is reused, not made again."""
-        like = req.like
-        assert like is not None
-        where = f"{req.model!r} v{like.version} layout {req.layout!r} shard {req.shard}"
-        try:
-            earlier = self.catalog.manifest(req.model, like.version, req.layout, req.shard)
-        except (NotFoundError, ConflictError):
-            raise ConflictError(f"{where} is not known here (any more): send the manifest", "like_unknown") from None
-        if earlier.slices is not None or shape_digest(earlier) != like.shape_digest:
-            raise ConflictError(f"the tensors of {where} are not this replica's (shape digest): send the manifest",
-                                "like_mismatch")
-        grid = grid_of(earlier)
-        if like.checksums is not None and len(like.checksums) != grid[1]:
-            raise InvalidRequestError(f"{len(like.checksums)} checksums for a shard of {grid[1]} chunks (one per "
-                                      "chunk of its grid)")
-        m = like.manifest(earlier)
-        keep_like(m, earlier, like.shape_digest)
-        keep_grid(m, grid)
-        _addresses.same_tensors(m, earlier)
-        return _addresses.checked(req.model_copy(update={"manifest": m, "like": None}))
-
     def digest_of(self, model: str, version: int, layout: str, shard: int, known: Manifest) -> str:
-        """``manifest_digest`` of a shard's registered manifest ``known`` (kept per shard)."""
-        key = (model, version, layout, shard)
-        digest = self._digests.get(key)
-        if digest is None:
-            digest = manifest_digest(known)
-            self._digests[key] = digest
-            while len(self._digests) > DIGESTS_KEPT:
-                self._digests.pop(next(iter(self._digests)))
-        return digest
+        """``manifest_digest`` of a shard's registered manifest (:meth:`ManifestRefs.digest_of`)."""
+        return self.refs.digest_of(model, version, layout, shard, known)
 
     # ----------------------------------------------------------------- leases
     def acquire_lease(self, now: float, req: AcquireLease) -> LeaseGrant:
@@ -450,16 +402,6 @@ class CoordinatorState:
     def grant_ahead(self, now: float, at: AcquireLease, refused: str) -> LeaseGrant:
         """One bound subscriber's grant (``_ahead.grant``)."""
         return _ahead.grant(self, self._now(now), at, refused)
-
-    def _check_partial(self, req: RegisterReplica, known: Optional[Manifest]) -> None:
-        where = f"{req.model!r} v{req.version} layout {req.layout!r} shard {req.shard}"
-        if known is None:
-            raise ConflictError(f"partial replica of {where}, which has no complete replica yet", "unknown_layout")
-        grid, chunks = grid_of(known)
-        if req.chunk_bytes != grid or req.num_chunks != chunks:
-            raise ConflictError(
-                f"partial replica of {where}: chunk grid {req.chunk_bytes} bytes x {req.num_chunks} "
-                f"!= the shard's {grid} bytes x {chunks}", "bad_chunk_grid")
 
     def add_chunks(self, now: float, replica_id: str, worker_id: str, chunks: Iterable[int],
                    lease_ids: Iterable[str] = (), coming: Optional[Iterable[int]] = None) -> int:

@@ -31,7 +31,7 @@ from tensorhub._state import CoordinatorState, StateConfig
 from tensorhub.protocol import AcquireLease, LeaseGrant, Locality, Manifest, RegisterReplica, TensorSpec, lease_proof
 from tensorhub.testing import InMemoryTransport
 from tensorhub.transport import DONE, PENDING, ReadOp
-from tensorhub.transport import _arena as _arena_mod, _shm
+from tensorhub.transport import _arena as _arena_mod, _fdserver, _shm
 from tensorhub.transport._shm import SameHostTransport, host_identity, socket_name
 
 MiB = 1 << 20
@@ -394,7 +394,7 @@ def test_fd_server_threads_stay_bounded_under_500_idle_connections():
         reader.start()
         started = threading.active_count()
         # an accept thread and the handlers, for the holder's server and the reader's own
-        assert started - base <= 2 * (1 + _shm._HANDLERS), (base, started)
+        assert started - base <= 2 * (1 + _fdserver._HANDLERS), (base, started)
         for _ in range(500):
             c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             c.connect(socket_name(ep))  # (blocking: waits while the backlog is full)
@@ -411,7 +411,7 @@ def test_fd_server_threads_stay_bounded_under_500_idle_connections():
         assert time.monotonic() - t0 < 1.5 and asked == ["lease-1"]
         assert threading.active_count() <= started + 4 + 1  # + the reader's copy pool and sweeper
         # Every idle connection is closed by the server within its receive timeout.
-        deadline = time.monotonic() + _shm._RECV_TIMEOUT + 5
+        deadline = time.monotonic() + _fdserver._RECV_TIMEOUT + 5
         for c in idle:
             c.settimeout(max(0.01, deadline - time.monotonic()))
             assert c.recv(1) == b""
