@@ -1,4 +1,7 @@
-"""A failed swap rolls back (issue 33 item 3), on one real vLLM CPU engine (the OpenAI server).
+"""A failed swap rolls back (issue 33 item 3), on one real vLLM CPU engine (the OpenAI server)
+with two tensor-parallel ranks: rank 0 keeps (and serves) its copy of the running version and
+restores from it; rank 1 keeps none (``serve_ranks="first"``) and reads the previous version
+again from peers. Both paths run in every case below.
 
 The engine (B) loads v2 from the trainer (this process) at start: the reference tokens of
 v2. It then swaps to v1 (the reference tokens of v1) and every case below tries to swap it
@@ -11,7 +14,8 @@ from v1 to v2 and fails at another point:
 * a fetch error: the only holder of the version is SIGKILLed before the swap;
 * a bad checksum: the only holder's bytes changed after it published them.
 
-After each: ``/update_weights`` answers an error naming the rollback to v1, greedy tokens are
+After each: ``/update_weights`` answers an error naming the rollback to v1 (a rank that failed
+in the apply says how it restored v1: its kept copy, or v1 read again), greedy tokens are
 v1's, ``/weight_info`` and the completion's ``X-TensorHub-Weight-Version`` say 1, and the
 engine's served copy of v1 is still v1's bytes. Then a plain swap to v2 gives v2's tokens.
 Last, a failure whose rollback fails too: the engine refuses to serve (``/health`` fails).
@@ -87,8 +91,9 @@ def rig(tmp_path_factory):
             "--model-loader-extra-config", json.dumps({
                 "coordinator": coord.url, "model": MODEL, "version": r["v2"], "worker_id": "engine-b",
                 "fetch_timeout": 6, "prefetch": False}),
-            "--weight-transfer-config", json.dumps({"backend": "tensorhub"})],
-            env={HOOK: f"@{hook}", "TENSORHUB_SAMEHOST": "0"})
+            "--weight-transfer-config", json.dumps({"backend": "tensorhub"}),
+            "--tensor-parallel-size", "2"],
+            env={HOOK: f"@{hook}", "TENSORHUB_SAMEHOST": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
         r["b"] = b
         r["ref2"] = _completion(b)[0]  # v2 loaded at start
         assert _swap(b, r["v1"]).status_code == 200
@@ -129,8 +134,10 @@ def test_apply_fails_and_rolls_back(rig, point):
         resp = _swap(rig["b"], rig["v2"])
     finally:
         rig["hook"].unlink()
+    v1 = rig["v1"]
     _assert_rolled_back(rig, resp, "test failure injected", f"applying 'policy' v{rig['v2']} failed",
-                        "restored from this worker's kept copy of v1")
+                        f"rolled back to policy v{v1} from this worker's kept copy of v{v1}",  # rank 0
+                        f"rolled back to policy v{v1} v{v1} read again from peers")  # rank 1: no copy kept
 
 
 def test_fetch_error_keeps_v1(rig):

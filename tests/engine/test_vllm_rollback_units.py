@@ -152,3 +152,23 @@ def test_a_failed_rollback_makes_the_engine_refuse_requests():
     assert core.resets  # reset all the same
     with pytest.raises(RuntimeError, match="this engine refuses requests: 'policy' holds a mix"):
         _engine_core._refuse_if_broken(core)
+
+
+def test_every_worker_answers_a_failed_update_weights():
+    """A worker's error comes back as a value (vLLM's executor would stop reading replies at
+    the first worker that raised and leave the others' replies queued for the next call)."""
+    class Worker:
+        def __init__(self, error=None):
+            self.error, self.calls = error, []
+
+        def update_weights(self, *a, **kw):
+            self.calls.append((a, kw))
+            if self.error:
+                raise RuntimeError(self.error)
+            return "done"
+
+    ok, bad = Worker(), Worker("tensorhub: applying 'policy' v2 failed; rolled back to v1")
+    assert _engine_core.guarded_update_weights(ok, {"version": 2}, x=1) == (None, "done")
+    assert ok.calls == [(({"version": 2},), {"x": 1})]
+    answer = _engine_core.guarded_update_weights(bad, {"version": 2})
+    assert answer == (_engine_core._FAILED, "tensorhub: applying 'policy' v2 failed; rolled back to v1")

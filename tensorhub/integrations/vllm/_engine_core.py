@@ -125,6 +125,25 @@ def _after_failed_swap(core: Any) -> None:
                        "reset)", core.get_weight_version())
 
 
+#: The first item of a worker's answer whose update_weights raised (guarded_update_weights).
+_FAILED = "tensorhub: update_weights failed"
+
+
+def guarded_update_weights(worker: Any, *args: Any, **kwargs: Any) -> tuple:
+    """``worker.update_weights(...)`` with its error returned as a value, ``(_FAILED, message)``,
+    instead of raised; ``(None, result)`` otherwise. Called on every worker through
+    ``collective_rpc``. vLLM's multiprocess executor stops reading replies at the first worker
+    that raised and leaves the other workers' replies queued, so the engine core's next call
+    (the cache reset and rollback checks of :func:`_after_failed_swap`, or any later one)
+    would read a stale reply: with TP > 1 a rolled-back engine was marked broken. The error
+    is raised again in the engine core once every worker has answered."""
+    try:
+        return None, worker.update_weights(*args, **kwargs)
+    except Exception as e:
+        logger.error("tensorhub: update_weights failed on this worker: %s", e, exc_info=True)
+        return _FAILED, str(e)
+
+
 def _as_list(x: Any) -> list:
     return x if isinstance(x, list) else [x]
 
@@ -179,11 +198,13 @@ def install() -> bool:
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         if method != "update_weights" or not uses_tensorhub(self.vllm_config):
             return rpc(self, method, timeout, args, kwargs)
-        try:
-            out = rpc(self, method, timeout, args, kwargs)
-        except Exception:
+        # Every worker answers (its error as a value): see guarded_update_weights.
+        answers = _as_list(rpc(self, guarded_update_weights, timeout, args, kwargs))
+        failed = [a[1] for a in answers if isinstance(a, (tuple, list)) and len(a) == 2 and a[0] == _FAILED]
+        if failed:
             _after_failed_swap(self)
-            raise
+            raise RuntimeError(failed[0])
+        out = [a[1] for a in answers]
         _reset(self)
         _label(self, "after the swap")
         logger.info("tensorhub: weights swapped to v%s: prefix/KV cache reset (blocks computed with the old "
