@@ -211,8 +211,9 @@ class DeltaStats:
 
 
 def encode_tensors(tensors: Mapping[str, Any], base: BaseCopy, *, model: str, version: int, layout: str,
-                   shard: int, num_shards: int) -> tuple[dict[str, Any], Any, DeltaStats]:
-    """The delta layout's tensors (header first, then one blob per tensor) in one buffer."""
+                   shard: int, num_shards: int, arena: bool = True) -> tuple[dict[str, Any], Any, DeltaStats]:
+    """The delta layout's tensors (header first, then one blob per tensor) in one buffer
+    (``arena``: memory same-host readers map, ``HubConfig.samehost``)."""
     t0 = time.perf_counter()
     stats = DeltaStats()
     names = list(tensors)  # the new version's manifest order: what a reader's copy is laid out in
@@ -241,7 +242,7 @@ def encode_tensors(tensors: Mapping[str, Any], base: BaseCopy, *, model: str, ve
 
     specs = [TensorSpec(name=HEADER, dtype="uint8", shape=(len(header),), nbytes=len(header))]
     specs += [TensorSpec(name=n, dtype="uint8", shape=(len(b),), nbytes=len(b)) for n, b in zip(names, blobs)]
-    buf, out = allocate_like(Manifest(tensors=specs))
+    buf, out = allocate_like(Manifest(tensors=specs), arena=arena)
     for spec, data in zip(specs, [header] + blobs):
         _raw(out[spec.name])[:] = np.frombuffer(data, np.uint8)
     stats.nbytes = sum(s.nbytes for s in specs)
@@ -289,7 +290,7 @@ def publish_delta(session: Session, holdings: Holdings, checksum: str, model: st
                   base: BaseCopy, *, version: int, layout: str, shard: int, num_shards: int) -> DeltaStats:
     """Encode ``tensors`` against ``base`` and register the delta layout of ``version``."""
     out, _buf, stats = encode_tensors(tensors, base, model=model, version=version, layout=layout, shard=shard,
-                                      num_shards=num_shards)
+                                      num_shards=num_shards, arena=session.config.samehost)
     dl = delta_layout(base.version, layout)
     if stats.nbytes > MAX_FRACTION * stats.full_nbytes:
         logger.info("%s v%d: no %s published: the delta would be %.0f%% of the version (readers read it in full "
@@ -486,7 +487,7 @@ def _run(session: Session, holdings: Holdings, opts: FetchOptions, model: str, v
         check_into(manifest, into)
         out = {s.name: into[s.name] for s in manifest.tensors}
     else:
-        buf, out = allocate_like(manifest)
+        buf, out = allocate_like(manifest, arena=session.config.samehost)
     dst = [out[s.name] for s in manifest.tensors]
     nbytes, sources, failed = 0, {}, []
     apply_seconds = 0.0

@@ -157,7 +157,7 @@ class Fetch:
                 local = check_into(manifest, self.into)  # served/quarantined: checked before the lease
                 self.out = dict(self.into)
             else:
-                self.buf, self.out = allocate_like(manifest)
+                self.buf, self.out = allocate_like(manifest, arena=self.session.config.samehost)
                 local = [t.data_ptr() for t in self.out.values()]
             wanted = coalesce([(a, s.nbytes) for a, s in zip(local, manifest.tensors)])
             register_regions(self.transport, wanted)
@@ -308,14 +308,15 @@ def quarantine_stuck(holdings: Holdings, e: BaseException, buf: Any, out: Any, i
 
 
 def copy_held(held: Held, into: Optional[Mapping[str, Any]], names: Optional[list[str]], holdings: Holdings,
-              worker_id: str) -> Fetched:
-    """A fetch of what this process holds already: no transfer (a copy into ``into``)."""
+              worker_id: str, arena: bool = True) -> Fetched:
+    """A fetch of what this process holds already: no transfer (a copy into ``into``, else
+    into new memory: an arena when ``arena``, ``HubConfig.samehost``)."""
     model, version, layout, shard = held.key
     if names is not None:  # part of what we hold: copy it
         keep = select(held.manifest, names, model, version)
         part = Manifest.model_construct(tensors=[held.manifest.tensors[i] for i in keep])
         if into is None:
-            _, into = allocate_like(part)
+            _, into = allocate_like(part, arena=arena)
         check_into(part, into)
         holdings.check_not_served(into)
         for spec in part.tensors:

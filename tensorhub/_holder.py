@@ -129,7 +129,7 @@ def _wait_fence(holdings: Holdings, mine: list[Held], deadline: Optional[float],
 
 def _retain_copy(session: Session, h: Held) -> Held:
     """Copy a held shard into new CPU memory and register the copy as a replica."""
-    buf, out = allocate_like(h.manifest, device="cpu")
+    buf, out = allocate_like(h.manifest, device="cpu", arena=session.config.samehost)
     for name, t in h.tensors.items():
         out[name].copy_(t)
     local = [out[s.name].data_ptr() for s in h.manifest.tensors]

@@ -437,9 +437,7 @@ class Track:
             if not p.done:
                 hub._outbox.put("fetch", hub._fetch_report(p, "running"))
 
-        from . import envs
-
-        every = float(envs.TENSORHUB_PROGRESS_INTERVAL)  # also the delay before the first report
+        every = hub.config.progress_interval  # also the delay before the first report
         self.reporter = ProgressReporter(model, version, layout, shard, total, callback=self.callback,
                                          on_report=to_coordinator, interval=every, after=every,
                                          worker_id=hub.worker_id)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from . import envs
 from ._exceptions import TensorHubError
 from .transport import Transport
 from .transport._shm import SameHostTransport
@@ -26,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 def wrap(inner: Transport, session: Any) -> Transport:
-    """``inner`` wrapped for same-host reads (unless ``TENSORHUB_SAMEHOST=0``).
-    ``session`` is the caller's ``_session.Session`` (its api, holdings, identity)."""
-    if not envs.TENSORHUB_SAMEHOST:
+    """``inner`` wrapped for same-host reads (unless ``HubConfig.samehost`` is off:
+    ``TENSORHUB_SAMEHOST=0``). ``session`` is the caller's ``_session.Session`` (its config,
+    api, holdings, identity)."""
+    if not session.config.samehost:
         return inner
 
     def authorize(lease_id: str, replica_id: str, worker_id: str, proof: str,
@@ -56,4 +56,4 @@ def wrap(inner: Transport, session: Any) -> Transport:
         return list(ts.values() if hasattr(ts, "values") else ts or ())
 
     return SameHostTransport(inner, host_label=session.locality.host, authorize=authorize,
-                             worker_id=session.worker_id, tensors=tensors)
+                             worker_id=session.worker_id, tensors=tensors, vm=session.config.samehost_vm)

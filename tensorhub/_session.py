@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 from urllib.parse import urlparse
 
-from . import _addresses, _samehost as samehost, envs
+from . import _addresses, _samehost as samehost
 from ._client import CoordinatorClient
 from ._exceptions import ConflictError, FetchError, HubClosedError, NotFoundError, TensorHubError
 from ._holdings import Held, Holdings, unregister_regions
@@ -78,7 +78,7 @@ class Session:
         self.epoch: Optional[str] = None
         self.lease_ttl = 30.0
         #: Send and ask for addresses as runs (``_addresses``): the coordinator reads them
-        #: (it said so when this worker registered) and ``TENSORHUB_ADDRESS_RUNS`` allows it.
+        #: (it said so when this worker registered) and ``HubConfig.address_runs`` allows it.
         self.address_runs = False
         #: Ask leases with their secret (``LeaseGrant.secret``, what same-host reads prove
         #: their lease with): the coordinator answers it and same-host reads are on.
@@ -157,8 +157,10 @@ class Session:
         :class:`TransferError` naming that process and ``TENSORHUB_SAMEHOST=0``)."""
         with self.holdings.lock:
             if self._transport is None:
-                host = envs.TENSORHUB_DATA_HOST or data_host(self.url.split(",")[0])
-                self._transport = create_transport(host=host, progress_timeout=self.progress_timeout)
+                cfg = self.config
+                self._transport = create_transport(cfg.transport_kind, host=cfg.data_host or data_host(self.url.split(",")[0]),
+                                                   progress_timeout=self.progress_timeout,
+                                                   protocol=cfg.mooncake_protocol, devices=cfg.mooncake_devices)
                 self._transport = samehost.wrap(self._transport, self)  # same-host reads (issue #14)
             if not self._transport_started:
                 self._transport.start()
@@ -173,10 +175,10 @@ class Session:
                                      retry_timeout=retry_timeout)
         self.epoch = r.epoch
         self.lease_ttl = r.lease_ttl
-        self.address_runs = r.address_runs and envs.TENSORHUB_ADDRESS_RUNS
-        self.lease_secrets = r.lease_secrets and envs.TENSORHUB_SAMEHOST
+        self.address_runs = r.address_runs and self.config.address_runs
+        self.lease_secrets = r.lease_secrets and self.config.samehost
         self.ahead = r.ahead and self.address_runs  # (held requests stay small: offers as runs)
-        self.register_like = r.register_like and envs.TENSORHUB_REGISTER_LIKE
+        self.register_like = r.register_like and self.config.register_like
 
     def reregister(self) -> None:
         """Register the worker and every held replica again, under the holdings' lock, with

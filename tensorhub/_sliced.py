@@ -265,7 +265,7 @@ def fetch(session: Session, holdings: Holdings, opts: FetchOptions, model: str, 
         check_into(out_manifest, into)
         out = {t.name: into[t.name] for t in out_specs}
     else:
-        buf, out = allocate_like(out_manifest)
+        buf, out = allocate_like(out_manifest, arena=session.config.samehost)
     base = {name: t.data_ptr() for name, t in out.items()}
     regions = coalesce([(base[s.name], s.nbytes) for s in out_specs])
     register_regions(transport, regions)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from . import envs
 from ._checksum import compute
 from ._exceptions import ConfigError, TensorMismatchError
 from .protocol import DTYPE_SIZES, Manifest, TensorSpec
@@ -79,8 +78,9 @@ def coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, n) for a, n in out]
 
 
-def allocate_like(manifest: Manifest, device: str = "cpu") -> tuple[Any, dict[str, Any]]:
-    """One flat buffer for the whole manifest and a view per tensor into it."""
+def allocate_like(manifest: Manifest, device: str = "cpu", *, arena: bool = True) -> tuple[Any, dict[str, Any]]:
+    """One flat buffer for the whole manifest and a view per tensor into it. ``arena``: CPU
+    memory comes from the memfd arenas same-host readers map (``HubConfig.samehost``)."""
     import torch
 
     offsets, total = [], 0
@@ -88,7 +88,7 @@ def allocate_like(manifest: Manifest, device: str = "cpu") -> tuple[Any, dict[st
         total = -(-total // ALIGN) * ALIGN
         offsets.append(total)
         total += spec.nbytes
-    buf = _empty_bytes(max(total, 1), device)
+    buf = _empty_bytes(max(total, 1), device, arena)
     out: dict[str, Any] = {}
     for spec, off in zip(manifest.tensors, offsets):
         dt = _torch_dtype(spec.dtype)
@@ -99,25 +99,25 @@ def allocate_like(manifest: Manifest, device: str = "cpu") -> tuple[Any, dict[st
     return buf, out
 
 
-def _empty_bytes(nbytes: int, device: str) -> Any:
+def _empty_bytes(nbytes: int, device: str, arena: bool) -> Any:
     """Bytes the Hub allocates: on CPU a memfd arena that same-host readers can copy from
     (``transport/_arena``; pooled, so a reuse pays no page faults), else ``torch.empty``."""
     import torch
 
-    if device == "cpu" and envs.TENSORHUB_SAMEHOST:
+    if device == "cpu" and arena:
         from .transport import _arena
 
         return _arena.empty(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def empty_like(tensors: Mapping[str, Any]) -> dict[str, Any]:
+def empty_like(tensors: Mapping[str, Any], *, arena: bool = True) -> dict[str, Any]:
     """New CPU tensors with the names, dtypes and shapes of ``tensors`` (``meta`` tensors
     will do), in one buffer the Hub allocates (same-host readers copy from it at memory
     speed once it is published). Refuses what ``publish`` would refuse (non-contiguous,
     unsupported dtype)."""
     manifest, _ = manifest_of(tensors, shapes_only=True)
-    return allocate_like(manifest, device="cpu")[1]
+    return allocate_like(manifest, device="cpu", arena=arena)[1]
 
 
 def check_into(manifest: Manifest, into: Mapping[str, Any]) -> list[int]:

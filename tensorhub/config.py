@@ -43,7 +43,18 @@ ENV = {
     "pipelined": "TENSORHUB_PIPELINED",
     "checksum": "TENSORHUB_CHECKSUM",
     "retain_on_cpu": "TENSORHUB_RETAIN_ON_CPU",
+    "progress_interval": "TENSORHUB_PROGRESS_INTERVAL",
+    "transport_kind": "TENSORHUB_TRANSPORT",
+    "data_host": "TENSORHUB_DATA_HOST",
+    "mooncake_protocol": "TENSORHUB_MOONCAKE_PROTOCOL",
+    "mooncake_devices": "TENSORHUB_MOONCAKE_DEVICES",
+    "samehost": "TENSORHUB_SAMEHOST",
+    "samehost_vm": "TENSORHUB_SAMEHOST_VM",
+    "address_runs": "TENSORHUB_ADDRESS_RUNS",
+    "register_like": "TENSORHUB_REGISTER_LIKE",
 }
+#: Data-plane transports (``transport_kind``).
+TRANSPORTS = ("mooncake", "memory")
 
 
 def parse_locality(text: Optional[str]) -> Locality:
@@ -112,6 +123,27 @@ class HubConfig:
     retain_on_cpu: bool = False
     #: A fetch's default deadline (seconds).
     fetch_timeout: float = 600.0
+    #: Seconds between progress reports of a fetch that runs longer than that (to its
+    #: callback, else the log, and to the coordinator's status); 0: none.
+    progress_interval: float = 1.0
+    #: The data plane: ``"mooncake"``, or ``"memory"`` (the in-process test double). (A Hub's
+    #: ``transport=`` takes a transport object, or this name.)
+    transport_kind: str = "mooncake"
+    #: Address the data plane advertises to readers; None: 127.0.0.1 for a coordinator on
+    #: loopback, else the local address of the route to it.
+    data_host: Optional[str] = None
+    #: Mooncake's protocol (``"tcp"``, ``"rdma"``) and RDMA device filter (``""``: auto).
+    mooncake_protocol: str = "tcp"
+    mooncake_devices: str = ""
+    #: Same-host reads at memory speed (``docs/concepts/samehost.md``): the Hub's CPU
+    #: allocations are memfd arenas that readers on this host map under a lease; and, with
+    #: ``samehost_vm``, other memory (the user's own tensors) read with process_vm_readv.
+    samehost: bool = True
+    samehost_vm: bool = True
+    #: Send (and ask for) a replica's addresses as runs where the coordinator reads them.
+    address_runs: bool = True
+    #: Publish a model trained in place as its previous version's manifest plus new sums.
+    register_like: bool = True
 
     def __post_init__(self) -> None:
         if not self.coordinator:
@@ -132,6 +164,16 @@ class HubConfig:
         object.__setattr__(self, "pipelined", bool(self.pipelined))
         object.__setattr__(self, "retain_on_cpu", bool(self.retain_on_cpu))
         object.__setattr__(self, "checksum", check_mode(self.checksum))
+        if not float(self.progress_interval) >= 0:
+            raise ConfigError(f"progress_interval must be >= 0, got {self.progress_interval!r}")
+        object.__setattr__(self, "progress_interval", float(self.progress_interval))
+        kind = str(self.transport_kind).strip().lower()
+        if kind not in TRANSPORTS:
+            raise ConfigError(f"transport_kind={self.transport_kind!r} is not a transport; expected one of "
+                              f"{', '.join(TRANSPORTS)}")
+        object.__setattr__(self, "transport_kind", kind)
+        for name in ("samehost", "samehost_vm", "address_runs", "register_like"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
 
     @classmethod
     def resolve(cls, coordinator: Optional[str] = None, **args: Any) -> "HubConfig":

@@ -68,11 +68,16 @@ class Hub:
     (``_holder``) and one read path (``_fetch.Fetch``) do the work."""
 
     def __init__(self, url: Optional[str] = None, *, config: Optional[HubConfig] = None,
-                 transport: Optional[Transport] = None, **options: Any) -> None:
+                 transport: Optional[Transport | str] = None, **options: Any) -> None:
         """``config``: a resolved :class:`~tensorhub.config.HubConfig`; else one is
         resolved from ``url`` and ``options`` (its field names: worker_id, locality, token,
         ca_file, heartbeat_interval, progress_timeout, chunk_bytes, max_sources, pipelined,
-        checksum, retain_on_cpu, fetch_timeout), each argument > environment > default."""
+        checksum, retain_on_cpu, fetch_timeout, progress_interval, transport_kind, data_host,
+        mooncake_protocol, mooncake_devices, samehost, samehost_vm, address_runs,
+        register_like), each argument > environment > default. ``transport``: a transport
+        object to use, or the name of one (``"mooncake"``, ``"memory"``: ``transport_kind``)."""
+        if isinstance(transport, str):
+            options["transport_kind"], transport = transport, None
         if config is None:
             config = HubConfig.resolve(url, **options)
         elif url is not None or options:
@@ -162,7 +167,7 @@ class Hub:
         """New CPU tensors shaped like ``tensors`` (names, dtypes, shapes; ``meta`` tensors
         will do) in memory the Hub allocates: copy a snapshot into them and ``publish`` them,
         and readers on this host copy from them at memory speed (``transport/_shm``); other readers are unaffected."""
-        return _tensors.empty_like(tensors)
+        return _tensors.empty_like(tensors, arena=self.config.samehost)
 
     def publish(self, model: str, tensors: Mapping[str, Any], *, version: Optional[int] = None,
                 layout: str = "hf", shard: Optional[int] = None, num_shards: Optional[int] = None,
@@ -305,7 +310,7 @@ class Hub:
         unchanged until ``unpublish``. ``group``: see :meth:`resolve`. The fetch completes or
         fails within ``timeout`` (default ``fetch_timeout``), coordinator outages included.
         ``progress``: called on this thread with a :class:`~tensorhub.FetchProgress` about
-        once a second (``TENSORHUB_PROGRESS_INTERVAL``) once the fetch has run for a second,
+        once a second (``progress_interval``) once the fetch has run for a second,
         and once more at its end (``done=True``); without it, progress goes to the log.
         ``names``: read only these tensors (``serve`` must be False; ``into`` then needs only
         them); :meth:`manifest` lists a version's tensors. Streaming a version in bounded
@@ -441,7 +446,7 @@ class Hub:
                                  deadline=deadline, track=track, names=names, ranges=ranges)
         held = self._holdings.get((model, version, layout, shard))
         if held is not None:  # we hold it already: no transfer
-            return copy_held(held, into, names, self._holdings, self.worker_id)
+            return copy_held(held, into, names, self._holdings, self.worker_id, self.config.samehost)
         track.version = version
         skipped: Optional[str] = None
         try:
@@ -560,11 +565,14 @@ class Hub:
 
 def connect(url: Optional[str] = None, *, worker_id: Optional[str] = None,
             locality: Optional[Locality | str | Mapping[str, str]] = None, token: Optional[str] = None,
-            config: Optional[HubConfig] = None, transport: Optional[Transport] = None, **options: Any) -> Hub:
+            config: Optional[HubConfig] = None, transport: Optional[Transport | str] = None, **options: Any) -> Hub:
     """Connect to the coordinator at ``url`` (default: ``TENSORHUB_COORDINATOR``); or with
     a resolved ``config`` (:class:`~tensorhub.config.HubConfig`). Several highly available
     coordinators are given comma-separated (``"http://c1:7777,http://c2:7777"``): the Hub
-    follows the leader and fails over by itself."""
+    follows the leader and fails over by itself. ``transport``: a transport object, or the
+    name of one (``transport_kind``)."""
+    if isinstance(transport, str):
+        options["transport_kind"], transport = transport, None
     if config is None:
         config = HubConfig.resolve(url, worker_id=worker_id, locality=locality, token=token, **options)
     elif url is not None or worker_id is not None or locality is not None or token is not None or options:

@@ -95,3 +95,53 @@ def test_engine_settings_take_several_coordinators(embedded):
                                      "connect_timeout": 1}))
     with pytest.raises(SettingsError, match="coordinator"):
         _probe(Settings.from_config({"coordinator": f"{embedded.url},ftp://x", "model": "m"}))
+
+
+def test_every_hub_setting_is_a_config_field(monkeypatch):
+    """The data plane's and same-host reads' settings are HubConfig fields too (argument >
+    variable > default), and the Hub's parts read them from its config, not the environment."""
+    for var in ("TENSORHUB_TRANSPORT", "TENSORHUB_DATA_HOST", "TENSORHUB_SAMEHOST", "TENSORHUB_SAMEHOST_VM",
+                "TENSORHUB_ADDRESS_RUNS", "TENSORHUB_REGISTER_LIKE", "TENSORHUB_PROGRESS_INTERVAL",
+                "TENSORHUB_MOONCAKE_PROTOCOL", "TENSORHUB_MOONCAKE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = HubConfig.resolve("http://x:1")
+    assert (cfg.transport_kind, cfg.data_host, cfg.samehost, cfg.samehost_vm, cfg.address_runs, cfg.register_like,
+            cfg.progress_interval, cfg.mooncake_protocol, cfg.mooncake_devices) == \
+        ("mooncake", None, True, True, True, True, 1.0, "tcp", "")
+    monkeypatch.setenv("TENSORHUB_SAMEHOST", "0")
+    monkeypatch.setenv("TENSORHUB_TRANSPORT", "Memory")
+    monkeypatch.setenv("TENSORHUB_DATA_HOST", "10.1.2.3")
+    monkeypatch.setenv("TENSORHUB_PROGRESS_INTERVAL", "0")
+    cfg = HubConfig.resolve("http://x:1", samehost_vm=False)
+    assert (cfg.samehost, cfg.samehost_vm, cfg.transport_kind, cfg.data_host, cfg.progress_interval) == \
+        (False, False, "memory", "10.1.2.3", 0.0)
+    assert HubConfig.resolve("http://x:1", samehost=True).samehost is True  # argument over variable
+    with pytest.raises(ConfigError, match="transport_kind='carrier-pigeon' is not a transport"):
+        HubConfig.resolve("http://x:1", transport_kind="carrier-pigeon")
+    with pytest.raises(ConfigError, match="progress_interval"):
+        HubConfig.resolve("http://x:1", progress_interval=-1)
+    monkeypatch.setenv("TENSORHUB_SAMEHOST", "maybe")
+    with pytest.raises(ConfigError, match="TENSORHUB_SAMEHOST"):
+        HubConfig.resolve("http://x:1")
+
+
+def test_a_hub_reads_samehost_and_its_transport_from_its_config(embedded, monkeypatch):
+    """``samehost=False`` given to one Hub (the variable says 1): its allocations are plain
+    memory, not arenas same-host readers map; another Hub in the same process keeps them.
+    ``transport="memory"`` names the transport as ``transport_kind``."""
+    import torch
+
+    from tensorhub.transport import _arena
+
+    monkeypatch.setenv("TENSORHUB_SAMEHOST", "1")
+    w = {"w": torch.zeros(1 << 16)}
+    with tensorhub.connect(embedded.url, worker_id="plain", samehost=False, transport="memory") as plain, \
+            tensorhub.connect(embedded.url, worker_id="arena", transport="memory") as arena:
+        assert plain.config.transport_kind == "memory" and not plain.config.samehost
+        a, b = plain.empty_like(w)["w"], arena.empty_like(w)["w"]
+        assert _arena.arena_of(a.data_ptr(), a.nbytes) is None
+        assert _arena.arena_of(b.data_ptr(), b.nbytes) is not None
+        v = arena.publish("cfg", {"w": torch.arange(1 << 16, dtype=torch.float32)})
+        got = plain.fetch("cfg", v, serve=False)
+        assert torch.equal(got["w"], torch.arange(1 << 16, dtype=torch.float32))  # the bytes moved
+        assert _arena.arena_of(got["w"].data_ptr(), got["w"].nbytes) is None

@@ -31,6 +31,8 @@ def create_transport(
     *,
     host: str | None = None,
     progress_timeout: float | None = None,
+    protocol: str | None = None,
+    devices: str | None = None,
 ) -> Transport:
     """Build an unstarted transport; call ``start()`` on it.
 
@@ -40,14 +42,16 @@ def create_transport(
     listen on all interfaces (SECURITY.md); the memory transport ignores it.
     ``progress_timeout`` is the seconds a read may make no progress before its source
     counts as hung (Mooncake default: ``TENSORHUB_PROGRESS_TIMEOUT``; memory default:
-    wait until resumed).
+    wait until resumed). ``protocol`` and ``devices``: Mooncake's (default:
+    ``TENSORHUB_MOONCAKE_PROTOCOL`` / ``_DEVICES``). A Hub passes its ``HubConfig``'s.
     """
     raw = envs.pick(kind, "TENSORHUB_TRANSPORT")
     name = (raw or "").strip().lower()
     if name == "mooncake":
         bind = envs.pick(host, "TENSORHUB_DATA_HOST")
         return MooncakeTransport(
-            host=bind if bind is not None else "127.0.0.1", progress_timeout=progress_timeout
+            host=bind if bind is not None else "127.0.0.1", protocol=protocol, devices=devices,
+            progress_timeout=progress_timeout,
         )
     if name == "memory":
         from ._memory import InMemoryTransport

@@ -24,7 +24,6 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from .. import envs
 from . import _cudaipc, _vm
 from ._arena import _shown, arena_of, peer_creds, trusted_uid
 
@@ -56,12 +55,13 @@ class FdServer:
     with every answer and compared with the reader's."""
 
     def __init__(self, name: bytes, endpoint: str, ident: dict, authorize: Authorize,
-                 tensors: Optional[Tensors]) -> None:
+                 tensors: Optional[Tensors], *, vm: bool = True) -> None:
         self.name = name
         self._endpoint = endpoint
         self._ident = ident
         self._authorize = authorize
         self._tensors = tensors
+        self._vm = vm  # memory not in arenas: answered "vm" (process_vm_readv)
         self._server: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
         self._ready: "queue.Queue[Optional[socket.socket]]" = queue.Queue(_MAX_READY)
@@ -238,7 +238,7 @@ class FdServer:
                     if cuda:  # CUDA memory: IPC handles of its blocks (``_cudaipc``)
                         _vm.allow_readers()  # (expandable segments: the reader takes their fds by pidfd)
                         answer["cuda"] = cuda
-                    elif not fds and regions and envs.TENSORHUB_SAMEHOST_VM:
+                    elif not fds and regions and self._vm:
                         _vm.allow_readers()  # memory of the user's: read in place (process_vm_readv)
                         answer["vm"] = True
             data = json.dumps(answer).encode()

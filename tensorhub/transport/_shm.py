@@ -28,7 +28,7 @@ The holdings it maps are arenas (``_arena``: memfd-backed memory the Hub allocat
   (``_cudaipc``: the holder answers ``cuda``, its blocks, to a reader that can use CUDA,
   which opens each once, copies with ``cudaMemcpyAsync`` and closes them when its read run
   ends; or, where it cannot open them, reads over the wrapped transport).
-  Batches it cannot serve so (other hosts, ``TENSORHUB_SAMEHOST_VM=0`` for user memory)
+  Batches it cannot serve so (other hosts, ``samehost_vm`` off for user memory)
   go to the wrapped transport unchanged.
 
 Trust (docs/concepts/samehost.md, "Trust model"): both ends check the other's uid with
@@ -63,7 +63,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
-from .. import envs
 from .._exceptions import TransferError
 from ..protocol import lease_proof
 from . import _cudaipc, _vm
@@ -112,10 +111,12 @@ class SameHostTransport(Transport):
     ``token`` is accepted for older callers and unused: nothing on the fd socket carries
     the coordinator's API token (a reader proves its lease with the lease's secret).
     ``tensors`` (holder): the tensors of a replica, for CUDA IPC; None: CUDA memory is read
-    over ``inner``."""
+    over ``inner``. ``vm``: memory not in arenas (the user's own tensors) is served and read
+    with ``process_vm_readv`` (``HubConfig.samehost_vm``); False: over ``inner``."""
 
     def __init__(self, inner: Transport, *, host_label: str, authorize: Authorize, worker_id: str,
-                 token: Optional[str] = None, threads: int = 4, tensors: Optional[Tensors] = None) -> None:
+                 token: Optional[str] = None, threads: int = 4, tensors: Optional[Tensors] = None,
+                 vm: bool = True) -> None:
         super().__init__()
         self.inner = inner
         self.max_batch_entries = inner.max_batch_entries
@@ -123,6 +124,7 @@ class SameHostTransport(Transport):
         self._label = host_label
         self._authorize = authorize
         self._tensors = tensors
+        self._vm = vm
         self._worker_id = worker_id
         self._ident = dict(host_identity(), label=host_label)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tensorhub-shm")
@@ -166,7 +168,7 @@ class SameHostTransport(Transport):
         self._endpoint = ep
         if self._server is not None:
             return ep
-        srv = FdServer(socket_name(ep), ep, self._ident, self._authorize, self._tensors)
+        srv = FdServer(socket_name(ep), ep, self._ident, self._authorize, self._tensors, vm=self._vm)
         try:
             srv.start()
         except OSError as e:
@@ -260,7 +262,7 @@ class SameHostTransport(Transport):
                 self._cuda_fallback(src.endpoint, "open", f"cannot open its CUDA memory ({why})")
                 return _Mapped([])
             return _Mapped([], cuda=blocks)
-        if same and not fds and not arenas and ans.get("vm") is True and envs.TENSORHUB_SAMEHOST_VM:
+        if same and not fds and not arenas and ans.get("vm") is True and self._vm:
             return _Mapped([], pid=peer)
         if not same or len(arenas) != len(fds) or not fds:
             for fd in fds:
