@@ -1,12 +1,14 @@
-"""Everything is in pyproject.toml except one file: the wheel's ``tensorhub_ros_legacy.pth``,
-which keeps the adapters' old module paths (``integrations.<engine>``) importing for one release
-without a second top-level package (``tensorhub/integrations/_legacy.py`` says how)."""
+"""Everything is in pyproject.toml except one file: ``tensorhub_ros_legacy.pth``, in the wheel
+and in an editable install alike, which keeps the adapters' old module paths
+(``integrations.<engine>``) importing for one release without a second top-level package
+(``tensorhub/integrations/_legacy.py`` says how)."""
 
 import os
 import runpy
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
 
 # The file is run on its own (it imports only the standard library): the build environment
 # has none of tensorhub's dependencies.
@@ -28,4 +30,28 @@ class build_py_with_pth(build_py):
         return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, _LEGACY["PTH_NAME"])]
 
 
-setup(cmdclass={"build_py": build_py_with_pth})
+class _AndPth:
+    """An editable install's strategy (how it points at the checkout), plus the ``.pth``
+    file: a checkout installed with ``pip install -e .`` keeps the old paths as a wheel does."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    def __enter__(self):
+        self.strategy.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.strategy.__exit__(*exc)
+
+    def __call__(self, wheel, files, mapping):
+        self.strategy(wheel, files, mapping)
+        wheel.writestr(_LEGACY["PTH_NAME"], _LEGACY["PTH_LINE"].encode())
+
+
+class editable_wheel_with_pth(editable_wheel):
+    def _select_strategy(self, *args, **kwargs):
+        return _AndPth(super()._select_strategy(*args, **kwargs))
+
+
+setup(cmdclass={"build_py": build_py_with_pth, "editable_wheel": editable_wheel_with_pth})

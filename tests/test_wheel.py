@@ -254,3 +254,16 @@ def test_installed_wheel_keeps_the_old_adapter_paths_for_one_release(venv, tmp_p
     r = _run([py, "-W", "error::FutureWarning", "-c", "import integrations; assert integrations.MINE; print('theirs')"],
              timeout=60, cwd=tmp_path, env={**env, "PYTHONPATH": str(other.parent)})
     assert "theirs" in r.stdout, r.stdout
+
+
+def test_an_editable_install_keeps_the_old_adapter_paths_too(tmp_path):
+    """This checkout's own environment (``pip install -e .``, scripts/setup.sh) got the same
+    ``.pth`` hook as the wheel: the old path imports, outside the source tree, as the new module."""
+    probe = ("import warnings; warnings.simplefilter('error', FutureWarning)\n"
+             "try:\n    import integrations.verl.settings\nexcept FutureWarning as w:\n    print('warned:', w)\n"
+             "warnings.simplefilter('ignore', FutureWarning)\n"
+             "import integrations.verl.settings as old, tensorhub.integrations.verl.settings as new\n"
+             "print('same' if old is new else 'two copies')\n")
+    r = _run([sys.executable, "-c", probe], timeout=60, cwd=tmp_path, env=_clean_env())
+    assert "warned: the module path 'integrations' is deprecated" in r.stdout, r.stdout + r.stderr  # (the parent first)
+    assert r.stdout.strip().endswith("same"), r.stdout
