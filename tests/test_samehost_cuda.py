@@ -596,7 +596,7 @@ def test_the_hub_gives_the_replicas_tensors_only_for_a_replica_it_holds(monkeypa
     a, b = torch.zeros(4), torch.ones(2)
     held = {"r1": SimpleNamespace(tensors={"a": a, "b": b})}
     session = SimpleNamespace(holdings=SimpleNamespace(find=held.get), locality=SimpleNamespace(host="h"),
-                              worker_id="w", api=None)
+                              worker_id="w", api=None, config=SimpleNamespace(samehost=True, samehost_vm=True))
     t = _samehost.wrap(InMemoryTransport(), session)
     try:
         assert isinstance(t, SameHostTransport)
