@@ -212,7 +212,10 @@ def test_seeder_dies_mid_read_another_reader_takes_over(hubs):
     th = threading.Thread(target=lambda: box.setdefault("r", _try(lambda: seeder.fetch("m", v))))
     th.start()
     time.sleep(0.6)  # the seeder holds some chunks now, and has reported them
-    followers = [(f"f{i}", hubs(f"f{i}", f"dc=b,zone=z,host=f{i}", progress_timeout=0.5)[0]) for i in range(2)]
+    # (the seeder's death fails its reads at once, code -1: no progress timeout is needed to see
+    # it; a short one took the slow publisher link for a hung source under load, the followers
+    # reported it, and with it suspect they had nobody to read from for the suspect time)
+    followers = [(f"f{i}", hubs(f"f{i}", f"dc=b,zone=z,host=f{i}", progress_timeout=5.0)[0]) for i in range(2)]
     res: dict = {}
     ft = threading.Thread(target=lambda: res.update(fetch_all(followers, v)))
     ft.start()
