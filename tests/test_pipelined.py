@@ -166,6 +166,7 @@ def same(a, b) -> bool:
 def all_read(results: dict, w: dict, but: str = "") -> None:
     """Nothing incomplete was read anywhere, and every reader (but ``but``) got ``w``."""
     assert not _VIOLATIONS, _VIOLATIONS[:3]
+    assert results, "no reader finished"  # (an empty result would pass every check below)
     for name, f in results.items():
         if name != but:
             assert not isinstance(f, Exception), (name, f)
@@ -223,6 +224,7 @@ def test_seeder_dies_mid_read_another_reader_takes_over(hubs):
     InMemoryTransport.kill(st.endpoint)  # the seeder's memory is gone for everyone
     ft.join(120)
     th.join(60)
+    assert not ft.is_alive() and set(res) == {"f0", "f1"}, f"followers not done in 120 s: {sorted(res)}"
     all_read(res, w)
     crossed = sum(f.sources.get("pub", 0) for f in res.values())
     assert 0 < crossed < 2 * 16 * MiB  # one follower took over; the other followed it
