@@ -19,15 +19,17 @@ _LEGACY = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__))
 class build_py_with_pth(build_py):
     """Also writes the ``.pth`` file at the top of the wheel (site-packages once installed)."""
 
+    def _pth(self):
+        return os.path.join(self.build_lib, _LEGACY["PTH_NAME"])
+
     def run(self):
         super().run()
-        target = os.path.join(self.build_lib, _LEGACY["PTH_NAME"])
         os.makedirs(self.build_lib, exist_ok=True)
-        with open(target, "w") as f:
+        with open(self._pth(), "w") as f:
             f.write(_LEGACY["PTH_LINE"])
 
     def get_outputs(self, include_bytecode=True):
-        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, _LEGACY["PTH_NAME"])]
+        return [*super().get_outputs(include_bytecode), self._pth()]
 
 
 class _AndPth:

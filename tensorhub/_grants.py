@@ -76,13 +76,13 @@ Offer = Callable[[float, RegisterReplica], tuple[str, bool]]
 class Grants:
     """The lease decisions over ``catalog`` and ``registry`` (``CoordinatorState`` holds one).
     ``new_id(prefix)`` names leases; ``offer`` registers a serving reader's partial replica;
-    until ``reregister_until`` (a restart's re-registration window; -inf when not restored)
-    no version is called gone."""
+    ``restored_at``: when a state restored from a store booted (None: not restored), whose
+    re-registration window (``worker_ttl``) calls no version gone."""
 
     def __init__(self, catalog: Catalog, registry: Registry, config: StateConfig, *,
-                 new_id: Callable[[str], str], offer: Offer, reregister_until: float = float("-inf")):
+                 new_id: Callable[[str], str], offer: Offer, restored_at: Optional[float] = None):
         self.catalog, self.registry, self.config = catalog, registry, config
-        self.new_id, self.offer, self.reregister_until = new_id, offer, reregister_until
+        self.new_id, self.offer, self.restored_at = new_id, offer, restored_at
         #: (model, version, layout, shard, level, *group) -> (seeder worker id, named at);
         #: level and group as in ``_planner.group_key`` (host, zone, datacenter).
         self.seeders: dict[tuple, tuple[str, float]] = {}
@@ -459,7 +459,7 @@ class Grants:
         newest = self.catalog.latest(model)
         if newest is None or version >= newest:
             return
-        if now <= self.reregister_until:
+        if self.restored_at is not None and now <= self.restored_at + self.config.worker_ttl:
             return
         if any(r.worker_id != reader for r in itertools.chain(self.registry.replicas_of_shard(key),
                                                               self.registry.tombstones_of_shard(key))):

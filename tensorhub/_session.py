@@ -158,8 +158,8 @@ class Session:
         with self.holdings.lock:
             if self._transport is None:
                 cfg = self.config
-                self._transport = create_transport(cfg.transport_kind, host=cfg.data_host or data_host(self.url.split(",")[0]),
-                                                   progress_timeout=self.progress_timeout,
+                host = cfg.data_host or data_host(self.url.split(",")[0])
+                self._transport = create_transport(cfg.transport_kind, host=host, progress_timeout=self.progress_timeout,
                                                    protocol=cfg.mooncake_protocol, devices=cfg.mooncake_devices)
                 self._transport = samehost.wrap(self._transport, self)  # same-host reads (issue #14)
             if not self._transport_started:

@@ -111,8 +111,8 @@ class CoordinatorState:
         #: The manifests registrations refer to by digest or as an earlier version's.
         self.refs = ManifestRefs(self.catalog)
         #: The lease decisions, and their plans, seeders and answered requests.
-        self.grants = Grants(self.catalog, self.registry, config, new_id=self._new_id, offer=self._offer,
-                             reregister_until=now + config.worker_ttl if restored else float("-inf"))
+        self.grants = Grants(self.catalog, self.registry, config, new_id=self._new_id, offer=self.register_replica,
+                             restored_at=now if restored else None)
         #: Leases asked ahead, held until their version completes (``_ahead``).
         self.ahead = _ahead.Subscriptions()
         #: (model, version) -> when this incarnation allocated it, while it is not complete
@@ -180,9 +180,6 @@ class CoordinatorState:
         self._config = config
         if "grants" in self.__dict__:
             self.grants.config = config
-
-    def _offer(self, now: float, req: RegisterReplica) -> tuple[str, bool]:
-        return self.register_replica(now, req)  # (looked up per call: a harness may wrap it)
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{self.epoch}-{next(self._ids)}"

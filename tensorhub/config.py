@@ -25,7 +25,7 @@ from ._checksum import check_mode
 from ._client import coordinator_urls
 from ._exceptions import ConfigError
 from .protocol import Locality
-from .transport import MAX_ENTRY_BYTES
+from .transport import _KINDS as TRANSPORTS, MAX_ENTRY_BYTES
 
 __all__ = ["HubConfig", "coordinator_urls", "parse_locality", "read_token"]
 
@@ -53,8 +53,7 @@ ENV = {
     "address_runs": "TENSORHUB_ADDRESS_RUNS",
     "register_like": "TENSORHUB_REGISTER_LIKE",
 }
-#: Data-plane transports (``transport_kind``).
-TRANSPORTS = ("mooncake", "memory")
+
 
 
 def parse_locality(text: Optional[str]) -> Locality:

@@ -571,10 +571,5 @@ def connect(url: Optional[str] = None, *, worker_id: Optional[str] = None,
     coordinators are given comma-separated (``"http://c1:7777,http://c2:7777"``): the Hub
     follows the leader and fails over by itself. ``transport``: a transport object, or the
     name of one (``transport_kind``)."""
-    if isinstance(transport, str):
-        options["transport_kind"], transport = transport, None
-    if config is None:
-        config = HubConfig.resolve(url, worker_id=worker_id, locality=locality, token=token, **options)
-    elif url is not None or worker_id is not None or locality is not None or token is not None or options:
-        raise ConfigError("pass either config= or url and options, not both")
-    return Hub(config=config, transport=transport).connect()
+    named = {k: v for k, v in (("worker_id", worker_id), ("locality", locality), ("token", token)) if v is not None}
+    return Hub(url, config=config, transport=transport, **named, **options).connect()

@@ -44,10 +44,11 @@ def _ours(name: str) -> bool:
 
 
 class _Alias(importlib.abc.Loader):
-    """Loads ``integrations.X`` as the module ``tensorhub.integrations.X`` itself."""
+    """Loads ``integrations.X`` as the module ``tensorhub.integrations.X`` itself (``real``:
+    that module's spec)."""
 
-    def __init__(self, new: str):
-        self.new = new
+    def __init__(self, new: str, real):
+        self.new, self.real = new, real
 
     def create_module(self, spec):
         return None  # a placeholder; exec_module puts the real module in its place
@@ -59,12 +60,10 @@ class _Alias(importlib.abc.Loader):
 
     def get_code(self, name: str):
         """``python -m integrations.sglang.seed``: runpy runs the new module's code."""
-        spec = importlib.util.find_spec(self.new)
-        return spec.loader.get_code(self.new)
+        return self.real.loader.get_code(self.new)
 
     def is_package(self, name: str) -> bool:
-        spec = importlib.util.find_spec(self.new)
-        return spec.submodule_search_locations is not None
+        return self.real.submodule_search_locations is not None
 
 
 def find_spec(name: str, path=None, target=None):
@@ -80,7 +79,7 @@ def find_spec(name: str, path=None, target=None):
         warnings.warn(f"the module path {name!r} is deprecated and goes in the next release: "
                       f"use {new!r} (TensorHub's adapters moved into the tensorhub package)",
                       FutureWarning, stacklevel=2)
-    spec = importlib.util.spec_from_loader(name, _Alias(new), origin=real.origin,
+    spec = importlib.util.spec_from_loader(name, _Alias(new, real), origin=real.origin,
                                            is_package=real.submodule_search_locations is not None)
     if real.submodule_search_locations is not None:
         spec.submodule_search_locations = []  # submodules come through this finder too
@@ -88,8 +87,8 @@ def find_spec(name: str, path=None, target=None):
     return spec
 
 
-# The one line of the wheel's ``.pth`` file (setup.py writes it; tests/test_wheel.py and
-# tests/test_legacy_paths.py run it). Cheap for every other import: a prefix test.
+# The one line of the ``.pth`` file (setup.py writes it into the wheel and editable installs;
+# tests/test_wheel.py runs both). Cheap for every other import: a prefix test.
 PTH_LINE = ("import sys, types; sys.meta_path.insert(0, types.SimpleNamespace(find_spec=lambda name, "
             "path=None, target=None: __import__('tensorhub.integrations._legacy', fromlist=['_'])"
             ".find_spec(name) if name == 'integrations' or name.startswith('integrations.') else None))\n")

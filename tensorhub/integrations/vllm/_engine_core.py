@@ -200,11 +200,11 @@ def install() -> bool:
             return rpc(self, method, timeout, args, kwargs)
         # Every worker answers (its error as a value): see guarded_update_weights.
         answers = _as_list(rpc(self, guarded_update_weights, timeout, args, kwargs))
-        failed = [a[1] for a in answers if isinstance(a, (tuple, list)) and len(a) == 2 and a[0] == _FAILED]
+        failed = [msg for tag, msg in answers if tag == _FAILED]
         if failed:
             _after_failed_swap(self)
             raise RuntimeError(failed[0])
-        out = [a[1] for a in answers]
+        out = [result for _, result in answers]
         _reset(self)
         _label(self, "after the swap")
         logger.info("tensorhub: weights swapped to v%s: prefix/KV cache reset (blocks computed with the old "
