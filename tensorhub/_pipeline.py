@@ -250,12 +250,12 @@ class PipelinedReader(ShardReader):
             due = self.plan_refresh_at and now >= self.plan_refresh_at
             stuck = not any(busy.values()) and now - self._last_progress > self.claim_patience and \
                 now - self._last_refresh >= self.refresh_interval
-            if due or stuck or not sources or len(failed) > self._failed_seen:
+            if due or stuck or not sources or failed.count > self._failed_seen:
                 # The plan's fixed layout (counted: it is the one refresh), or trouble.
-                self._last_refresh, self._failed_seen = now, len(failed)
+                self._last_refresh, self._failed_seen = now, failed.count
                 self.refreshes += bool(due)
                 self.plan_refresh_at = 0.0
-                fresh = get_sources(set(failed))
+                fresh = get_sources(failed)
                 sources[:] = [s for s in fresh if s.replica_id not in failed]
             return  # a fixed plan: nothing more to learn from the coordinator
         idle = not sources or any(busy.get(s.replica_id, 0) < self.depth_of(s) for s in sources)
@@ -263,15 +263,15 @@ class PipelinedReader(ShardReader):
             return
         # Beyond the budget only when something went wrong: a source failed since the last
         # refresh, or nothing is in flight and nothing landed for ``claim_patience``.
-        trouble = len(failed) > self._failed_seen or (
+        trouble = failed.count > self._failed_seen or (
             not any(busy.values()) and now - self._last_progress > self.claim_patience)
         if sources and not trouble and (self.refreshes >= self.max_refreshes or now - self._t0 < self.first_refresh):
             return
         self._last_refresh = now
-        self._failed_seen = len(failed)
+        self._failed_seen = failed.count
         if sources and not trouble:  # (the first grant, or trouble: not counted)
             self.refreshes += 1
-        fresh = get_sources(set(failed))
+        fresh = get_sources(failed)
         sources[:] = [s for s in fresh if s.replica_id not in failed]
 
     # ------------------------------------------------------------------ chunk maps

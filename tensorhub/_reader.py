@@ -34,7 +34,7 @@ from .transport import DONE, MAX_ENTRY_BYTES, PENDING, ReadOp, Transport
 #: What _poll_one answers for a batch the transport withdrew before it sent anything.
 _CANCELLED = -125
 
-__all__ = ["Source", "ShardReader", "ReadStats"]
+__all__ = ["Source", "ShardReader", "ReadStats", "Excluded"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,15 +107,58 @@ def busy_cap(gap_s: Optional[float], poll_interval: float, share: float = CAP_SH
     return min(poll_interval, max(poll_interval / 8, gap_s * share))
 
 
+class Excluded(set):
+    """The replica ids a read excludes: the sources that failed it. One that failed a read
+    (an error, or no progress within its deadline) is let back in ``forgive_after`` seconds
+    later: a paused holder, or a loaded machine where Mooncake's own progress timeout ends a
+    batch, gives a false verdict, and it must not shut out the only complete source for the
+    rest of the read (partial readers would then wait on each other until the deadline).
+    The coordinator keeps a reported replica suspect for its ``suspect_ttl`` (the value
+    readers use here), so it comes back when the coordinator offers it again, not before;
+    a dead one never does. A checksum mismatch (wrong bytes) stays excluded."""
+
+    def __init__(self, forgive_after: float = 30.0) -> None:
+        super().__init__()
+        self.forgive_after = forgive_after
+        self.since: dict[str, float] = {}  # replica id -> when it failed (forgivable ones)
+        #: Failures recorded, forgiven ones included (a count that never goes down).
+        self.count = 0
+
+    def fail(self, replica_id: str, lasting: bool) -> None:
+        self.add(replica_id)
+        self.count += 1
+        if lasting:
+            self.since.pop(replica_id, None)
+        else:
+            self.since[replica_id] = time.monotonic()
+
+    def forgive(self) -> None:
+        """Let back in the sources that failed ``forgive_after`` seconds ago or more."""
+        if not self.since:
+            return
+        cutoff = time.monotonic() - self.forgive_after
+        for rid in [r for r, t in self.since.items() if t <= cutoff]:
+            del self.since[rid]
+            self.discard(rid)
+            logger.info("replica %s failed a read %.0fs ago: it may be read again", rid, self.forgive_after)
+
+
+def forgive(excluded: set[str]) -> None:
+    """Before asking for sources again: let back in the hung ones whose time is up."""
+    if isinstance(excluded, Excluded):
+        excluded.forgive()
+
+
 class ShardReader:
     """Reads one shard into local memory; one instance per fetch attempt."""
 
     def __init__(self, transport: Transport, sizes: list[int], local_addrs: list[int], *,
                  chunk_bytes: int = 64 << 20, depth: int = 2, progress_timeout: float = 10.0,
                  min_rate: float = 10e6, poll_interval: float = 0.002,
-                 checksums: Optional[Verifier] = None) -> None:
+                 checksums: Optional[Verifier] = None, forgive_after: float = 30.0) -> None:
         """``checksums``: verify each chunk before accepting it; its chunks (the shard's
-        grid) then replace the cut by ``chunk_bytes``."""
+        grid) then replace the cut by ``chunk_bytes``. ``forgive_after``: a source failed as
+        hung may be read again this many seconds later (:class:`Excluded`)."""
         if not 0 < chunk_bytes <= MAX_ENTRY_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {MAX_ENTRY_BYTES}]")
         self.t = transport
@@ -125,6 +168,7 @@ class ShardReader:
         self.progress_timeout = progress_timeout
         self.min_rate = min_rate
         self.poll_interval = poll_interval
+        self.forgive_after = forgive_after
         #: Verifies chunks in local memory (None: no checksums to check).
         self.checksums = checksums
         self.chunks = checksums.chunks if checksums is not None else self._cut(chunk_bytes)
@@ -178,14 +222,14 @@ class ShardReader:
         self.live = stats  # read by the caller's on_tick (progress)
         todo = deque(range(len(self.chunks)) if chunks is None else chunks)
         inflight: dict[int, _Inflight] = {}
-        failed: set[str] = set()
+        failed = Excluded(self.forgive_after)
         sources: list[Source] = []
         t0 = time.monotonic()
 
-        def fail(src: Source, reason: str) -> None:
+        def fail(src: Source, reason: str, lasting: bool = False) -> None:
             if src.replica_id in failed:
                 return
-            failed.add(src.replica_id)
+            failed.fail(src.replica_id, lasting)
             stats.failed_sources.append(src.replica_id)
             sources[:] = [s for s in sources if s.replica_id != src.replica_id]
             logger.warning("source %s (replica %s, %s) failed: %s; continuing from other replicas",
@@ -273,7 +317,7 @@ class ShardReader:
         if why is None:
             return True
         self.mismatched.setdefault(f.source.replica_id, why)
-        fail(f.source, f"{why} (read from {f.source.endpoint})")
+        fail(f.source, f"{why} (read from {f.source.endpoint})", True)
         return False
 
     def _count(self, stats: ReadStats, f: "_Inflight") -> None:
@@ -295,6 +339,7 @@ class ShardReader:
             now = time.monotonic()
             if now > deadline:
                 raise self._deadline_error(need, inflight, sources)
+            failed.forgive()
             self._fill(need, sources, failed, get_sources)
             busy = {s.replica_id: 0 for s in sources}
             for f in inflight.values():
@@ -392,7 +437,7 @@ class ShardReader:
 
     def _fill(self, need, sources, failed, get_sources) -> None:
         if need and not sources:
-            sources.extend(s for s in get_sources(set(failed)) if s.replica_id not in failed)
+            sources.extend(s for s in get_sources(failed) if s.replica_id not in failed)
             if not sources:
                 raise FetchError("no source left to read from")
 

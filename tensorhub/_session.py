@@ -77,6 +77,8 @@ class Session:
         self._api: Optional[CoordinatorClient] = None
         self.epoch: Optional[str] = None
         self.lease_ttl = 30.0
+        #: Seconds a reported replica stays suspect at the coordinator (``_reader.Excluded``).
+        self.suspect_ttl = 30.0
         #: Send and ask for addresses as runs (``_addresses``): the coordinator reads them
         #: (it said so when this worker registered) and ``HubConfig.address_runs`` allows it.
         self.address_runs = False
@@ -175,6 +177,7 @@ class Session:
                                      retry_timeout=retry_timeout)
         self.epoch = r.epoch
         self.lease_ttl = r.lease_ttl
+        self.suspect_ttl = r.suspect_ttl if r.suspect_ttl is not None else 30.0
         self.address_runs = r.address_runs and self.config.address_runs
         self.lease_secrets = r.lease_secrets and self.config.samehost
         self.ahead = r.ahead and self.address_runs  # (held requests stay small: offers as runs)

@@ -388,7 +388,8 @@ def _read_shard(session: Session, opts: FetchOptions, model: str, version: int, 
             renew_leases(session.api, leases, clock, session.lease_ttl)
 
     reader = ShardReader(session.transport(), sizes, local, chunk_bytes=min(opts.chunk_bytes, CHUNK_BYTES),
-                         depth=DEPTH, progress_timeout=opts.progress_timeout, checksums=check)
+                         depth=DEPTH, progress_timeout=opts.progress_timeout, checksums=check,
+                         forgive_after=session.suspect_ttl)
     todo: Optional[list[int]] = None
     total = ReadStats()
     try:

@@ -30,7 +30,7 @@ from ._grid import grid_chunk_bytes
 from ._holdings import register_regions
 from ._pipeline import PipelinedReader, PSource
 from ._planner import chunk_order
-from ._reader import ShardReader, Source
+from ._reader import ShardReader, Source, forgive
 from ._retry import jittered, next_delay
 from ._session import Session
 from .protocol import LeaseGrant, Manifest, shape_digest
@@ -62,6 +62,7 @@ def acquire_lease(session: Session, model: str, version: int, layout: str, shard
     serving. ``clock`` learns how long the reader may trust it (docs/consistency.md)."""
     delay = 0.05
     while True:
+        forgive(excluded)
         try:
             sent = time.monotonic()
             body = {
@@ -139,7 +140,8 @@ class PlainSources:
         chunk = min(f.opts.chunk_bytes, max(MIN_CHUNK, spread))
         return ShardReader(f.transport, [s.nbytes for s in manifest.tensors], local, chunk_bytes=chunk,
                            depth=DEPTH, progress_timeout=f.opts.progress_timeout,
-                           checksums=verifier(f.manifest, out, f.opts.checksum, f.keep))
+                           checksums=verifier(f.manifest, out, f.opts.checksum, f.keep),
+                           forgive_after=f.session.suspect_ttl)
 
     def sources(self, grant: Optional[LeaseGrant], excluded: set[str]) -> list[Source]:
         f = self.f
@@ -202,6 +204,7 @@ class PipelinedSources(PlainSources):
         ahead = f.ahead if self.cur is None and offer is not None else None
         rid = secrets.token_hex(12)  # (asked ahead: every poll is the same request)
         while True:
+            forgive(excluded)
             body: dict[str, Any] = {"worker_id": f.session.worker_id, "model": f.model, "version": f.version,
                                     "layout": f.layout, "shard": f.shard, "max_sources": f.opts.max_sources,
                                     "exclude": sorted(excluded)[:1024], "pipelined": True, "lease_id": self.cur,
@@ -289,7 +292,8 @@ class PipelinedSources(PlainSources):
                                  start=grant.start if grant is not None else 0.0,
                                  reverse=grant.reverse if grant is not None else False,
                                  depth=DEPTH, progress_timeout=f.opts.progress_timeout,
-                                 checksums=verifier(f.manifest, out, f.opts.checksum))
+                                 checksums=verifier(f.manifest, out, f.opts.checksum),
+                                 forgive_after=f.session.suspect_ttl)
         if f.serve:  # its chunk map, registered next to the data (freed with it)
             self.map = ChunkMap(len(self.r.chunks))
             register_regions(f.transport, [self.map.region])

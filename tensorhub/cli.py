@@ -27,8 +27,10 @@ def _coordinator(args: argparse.Namespace) -> int:
         raise ConfigError(f"--keep-versions must be >= 1, got {args.keep_versions}")
     if args.call_slots is not None and args.call_slots < 0:
         raise ConfigError(f"--call-slots must be >= 0 (0: no gate), got {args.call_slots}")
+    if args.suspect_ttl <= 0:
+        raise ConfigError(f"--suspect-ttl must be > 0, got {args.suspect_ttl}")
     config = StateConfig(lease_ttl=args.lease_ttl, worker_ttl=args.worker_ttl, policy=args.planner,
-                         keep_versions=args.keep_versions, plans=args.plans)
+                         keep_versions=args.keep_versions, plans=args.plans, suspect_ttl=args.suspect_ttl)
 
     def ready(url: str) -> None:
         print(f"tensorhub coordinator serving on {url}", flush=True)
@@ -225,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "N at a time, so heartbeats are answered in a burst of them (default 4; 0: no gate)")
     c.add_argument("--worker-ttl", type=float, default=10.0,
                    help="seconds without heartbeat after which a worker's replicas are dropped")
+    c.add_argument("--suspect-ttl", type=float, default=30.0,
+                   help="seconds a replica a reader reported (failed, hung) gets no new leases; a reader "
+                        "that judged it hung reads it again after this")
     c.add_argument("--keep-versions", type=int, default=16,
                    help="retention: manifests kept per model beyond what is still held (newest complete)")
     c.add_argument("--ssl-certfile", help="serve HTTPS with this certificate")

@@ -262,13 +262,15 @@ def test_the_coordinator_process_serves_with_any_number_of_slots(tmp_path, slots
         c.stop()
 
 
-def test_a_negative_number_of_slots_is_refused(tmp_path):
+@pytest.mark.parametrize("flag,value,says", [("--call-slots", "-1", "--call-slots must be >= 0"),
+                                             ("--suspect-ttl", "0", "--suspect-ttl must be > 0")])
+def test_a_negative_number_of_slots_or_no_suspect_time_is_refused(tmp_path, flag, value, says):
     import subprocess
     import sys
 
     p = subprocess.run([sys.executable, "-m", "tensorhub", "coordinator", "--state-dir", str(tmp_path),
-                        "--call-slots", "-1"], capture_output=True, text=True, timeout=60)
-    assert p.returncode != 0 and "--call-slots must be >= 0" in p.stderr
+                        flag, value], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and says in p.stderr
 
 
 def _big_registration(n: int, worker: str = "trainer", version: int = 1, dtype: str = "float32") -> dict:

@@ -47,6 +47,40 @@ def test_hung_source_fails_over_within_progress_timeout(coordinator, workers):
     assert took < 3 * timeout + 5, f"fail-over took {took:.1f}s"
 
 
+def test_a_source_falsely_judged_hung_is_read_again_after_the_suspect_ttl(coordinator_with, workers):
+    """The only complete holder pauses (SIGSTOP) long enough for both readers to judge it
+    hung and report it; then it comes back. Two readers that serve while receiving hold
+    only parts: they must not wait on each other until the deadline (the hung verdict was
+    false) but read the holder again once the coordinator stops holding it suspect."""
+    size = 96 * MiB
+    coordinator = coordinator_with("--suspect-ttl", "2")
+    pub = workers(coordinator.url, "pub")
+    v = pub.call("publish", seed=64, nbytes=size)
+    readers = [workers(coordinator.url, f"reader{i}", gated=True, chunk_bytes=4 * MiB, progress_timeout=1.0)
+               for i in range(2)]
+    faults = Faults(coordinator.url)
+    for r in readers:
+        r.send("fetch", version=v, serve=True, fetch_timeout=60.0)
+    try:
+        for r in readers:
+            assert r.first_done.wait(60)
+        faults.hang(pub.pid)
+        t0 = time.monotonic()
+        for r in readers:
+            r.gate.set()
+        time.sleep(4.0)  # past the readers' hung verdict (~1.5 s) and the suspect ttl after it
+    finally:
+        faults.resume(pub.pid)
+    got = [r.result(timeout=90) for r in readers]
+    took = time.monotonic() - t0
+    want = digest(make_weights(64, size))
+    assert [g["digest"] for g in got] == [want, want]
+    # the pause was judged a hang (else this test tested nothing), and the read went on
+    assert any(g["failed_sources"] for g in got), got
+    # well inside the fetch timeout (60 s) the readers used the holder again
+    assert took < 30, f"the readers took {took:.1f}s after the holder came back"
+
+
 def test_coordinator_killed_mid_transfer_the_transfer_finishes(coordinator, workers):
     size = 64 * MiB
     pub = workers(coordinator.url, "pub")
