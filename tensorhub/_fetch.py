@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from ._checksum import verifier
-from ._exceptions import FetchError, LeaseLapsedError, TensorHubError, TensorMismatchError
-from ._fencing import LeaseClock, renew_leases
+from ._attempts import read_attempts
+from ._exceptions import FetchError, TensorHubError, TensorMismatchError
+from ._fencing import LeaseClock
 from ._holdings import Held, Holdings, register_regions, unregister_regions
-from ._metrics import Track, hub_metrics
-from ._reader import ShardReader, Source
+from ._metrics import Track
+from ._reader import ReadStats, ShardReader, Source
 from ._session import Session
 from ._sources import QUARANTINE, PipelinedSources, PlainSources, release_all, release_checked
 from ._tensors import allocate_like, check_into, coalesce
@@ -173,7 +174,8 @@ class Fetch:
                     self._bind(grant)
             prog = self.track.start(self.session, self.model, self.version, self.layout, self.shard, manifest.nbytes)
             self.policy.started(grant)
-            nbytes, seconds, total, failed = self._attempts(grant, reader, prog)
+            st = self._attempts(grant, reader, prog)
+            nbytes, seconds, total, failed = st.nbytes, st.seconds, st.bytes_by_source, st.failed_sources
             if self.serve:
                 if not self.registered:
                     self.held.replica_id = self.session.register_replica(self.held)
@@ -243,58 +245,32 @@ class Fetch:
             h.replica_id, self.registered = r.replica_id, True
         return lapsed
 
-    def _attempts(self, grant: LeaseGrant, reader: ShardReader, prog: Any) -> tuple[int, float, dict, list]:
-        """Read until every chunk was read under a lease still trusted at its release."""
+    def _attempts(self, grant: LeaseGrant, reader: ShardReader, prog: Any) -> ReadStats:
+        """Read until every chunk was read under a lease still trusted at its release
+        (``_attempts.read_attempts``, this read's policy filling in its steps)."""
         first = [grant]
 
         def sources(excluded: set[str]) -> list[Source]:
             return self.policy.sources(first.pop() if first else None, excluded)
 
-        def report(src: Source, reason: str) -> None:
-            hub_metrics().source_failures.labels(self.model).inc()
-            self.session.as_worker(lambda api: api.report_replica(src.replica_id, self.session.worker_id, reason,
-                                                                  retry_timeout=2.0))
-
-        renew_every = max(0.1, self.session.lease_ttl / 3)
-        last_renew = [time.monotonic()]
-
         def tick() -> None:
             prog.tick(reader.live)
-            if time.monotonic() - last_renew[0] >= renew_every:
-                last_renew[0] = time.monotonic()
-                renew_leases(self.session.api, self.leases, self.trust, self.session.lease_ttl)
             self.policy.tick()
 
-        todo: Optional[list[int]] = None
-        total: dict[str, int] = {}
-        failed: list[str] = []
-        nbytes, seconds = 0, 0.0
-        for _ in range(3):
-            try:
-                stats = reader.run(sources, report, chunks=todo, deadline=self.deadline, on_tick=tick)
-            except BaseException as e:
-                if not reader.stuck:
-                    raise
-                self.regions = []  # a hung batch may still write there: never unregister it
-                raise quarantine_stuck(self.holdings, e, self.buf, self.out, self.into) from e
-            nbytes += stats.nbytes
-            seconds += stats.seconds
-            failed += stats.failed_sources
-            for w, n in stats.bytes_by_source.items():
-                total[w] = total.get(w, 0) + n
+        def end(stats: ReadStats) -> list[str]:
             prog.tick(stats)
             prog.attempt_done()
             self.policy.attempt_done()
-            lapsed = self._end_attempt()
-            if not lapsed:
-                return nbytes, seconds, total, failed
-            todo = self.policy.todo(lapsed, stats)
-            logger.warning("%s v%d: worker %s's lease(s) %s lapsed during the read; re-reading %d chunk(s)",
-                           self.model, self.version, self.session.worker_id, lapsed, len(todo))
-            first.clear()
-            if not todo:
-                return nbytes, seconds, total, failed
-        raise LeaseLapsedError(f"{self.model!r} v{self.version}: leases kept lapsing; bytes discarded")
+            first.clear()  # a further attempt asks for its own lease
+            return self._end_attempt()
+
+        def stuck(e: BaseException) -> BaseException:
+            self.regions = []  # a hung batch may still write there: never unregister it
+            return quarantine_stuck(self.holdings, e, self.buf, self.out, self.into)
+
+        return read_attempts(self.session, reader, sources, what=f"{self.model!r} v{self.version}",
+                             model=self.model, leases=self.leases, clock=self.trust, deadline=self.deadline,
+                             end=end, todo_of=self.policy.todo, tick=tick, stuck=stuck)
 
 
 def quarantine_stuck(holdings: Holdings, e: BaseException, buf: Any, out: Any, into: Any) -> FetchError:

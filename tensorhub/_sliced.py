@@ -39,13 +39,14 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 from ._checksum import verifier
-from ._exceptions import ConfigError, FetchError, LeaseLapsedError, NotFoundError, TensorHubError
-from ._fencing import LeaseClock, renew_leases
+from ._attempts import read_attempts
+from ._exceptions import ConfigError, FetchError, NotFoundError, TensorHubError
+from ._fencing import LeaseClock
 from ._holder import serve as serve_held
 from ._holdings import Held, Holdings, register_regions, unregister_regions
 from ._fetch import FetchOptions, Fetched, quarantine_stuck
 from ._sources import DEPTH, acquire_lease, release_all, release_checked
-from ._metrics import Track, hub_metrics
+from ._metrics import Track
 from ._reader import ReadStats, ShardReader, Source
 from ._session import Session
 from ._slices import SLICED, Box, Run, box_of, full_specs, plan, range_box
@@ -374,45 +375,18 @@ def _read_shard(session: Session, opts: FetchOptions, model: str, version: int, 
                        secret=g.secret, host=x.locality.host)
                 for x in g.replicas]
 
-    def report(src: Source, reason: str) -> None:
-        hub_metrics().source_failures.labels(model).inc()
-        session.as_worker(lambda api: api.report_replica(src.replica_id, session.worker_id, reason,
-                                                         retry_timeout=2.0))
-
-    renew_every = max(0.1, session.lease_ttl / 3)
-    last = [time.monotonic()]
-
-    def tick() -> None:
-        if time.monotonic() - last[0] >= renew_every:
-            last[0] = time.monotonic()
-            renew_leases(session.api, leases, clock, session.lease_ttl)
-
     reader = ShardReader(session.transport(), sizes, local, chunk_bytes=min(opts.chunk_bytes, CHUNK_BYTES),
                          depth=DEPTH, progress_timeout=opts.progress_timeout, checksums=check,
                          forgive_after=session.suspect_ttl)
-    todo: Optional[list[int]] = None
-    total = ReadStats()
+
+    def hung(e: BaseException) -> BaseException:
+        stuck.append(True)  # (the caller quarantines the whole destination)
+        return e
+
     try:
-        for _ in range(3):
-            try:
-                st = reader.run(sources, report, chunks=todo, deadline=deadline, on_tick=tick)
-            except BaseException:
-                if reader.stuck:
-                    stuck.append(True)
-                raise
-            total.nbytes += st.nbytes
-            total.failed_sources += st.failed_sources
-            for w, b in st.bytes_by_source.items():
-                total.bytes_by_source[w] = total.bytes_by_source.get(w, 0) + b
-            lapsed = release_checked(session, leases, clock)
-            if not lapsed:
-                return total
-            todo = sorted(c for lid in lapsed for c in st.chunks_by_lease.get(lid, []))
-            logger.warning("%s v%d %s shard %d: lease(s) %s lapsed during the read; re-reading %d chunk(s)",
-                           model, version, layout, shard, lapsed, len(todo))
-            if not todo:
-                return total
-        raise LeaseLapsedError(f"{model!r} v{version} {layout} shard {shard}: leases kept lapsing; bytes discarded")
+        return read_attempts(session, reader, sources, what=f"{model!r} v{version} {layout} shard {shard}",
+                             model=model, leases=leases, clock=clock, deadline=deadline,
+                             end=lambda st: release_checked(session, leases, clock), stuck=hung)
     finally:
         release_all(session, leases)
 
