@@ -263,7 +263,8 @@ class CoordinatorClient:
         return answer if r.answer is None else r.answer.model_validate(answer)
 
     def info(self, **kw: Any) -> dict:
-        return self.call("info", kw=kw)
+        """The coordinator's epoch, time and timing settings (``protocol.Info``), as a dict."""
+        return self.call("info", kw=kw).model_dump(exclude_unset=True)
 
     def status(self, **kw: Any) -> dict:
         """Everything ``tensorhub status`` shows (models, versions, replicas, workers, leases, fetches)."""
@@ -274,7 +275,8 @@ class CoordinatorClient:
         return self.call("version", model=model, version=version, kw=kw)
 
     def models(self, **kw: Any) -> list:
-        return self.call("models", kw=kw)
+        """Every model: ``{"model", "counter", "latest"}`` each (``protocol.ModelEntry``)."""
+        return [m.model_dump(exclude_unset=True) for m in self.call("models", kw=kw).root]
 
     def register_worker(self, worker_id: str, endpoint: str, locality: Mapping[str, str], **kw: Any) -> WorkerRegistered:
         return self.call("register_worker", {"worker_id": worker_id, "endpoint": endpoint, "locality": dict(locality)},

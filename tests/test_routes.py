@@ -58,3 +58,24 @@ def test_a_routes_url_and_pattern():
     assert not r.pattern.fullmatch("GET /v1/models/a/b/versions/3/manifest")
     assert not r.pattern.fullmatch("POST /v1/models/m/versions/3/manifest")
     assert gate_rank("POST", "/v1/replicas") == 0 and gate_rank("POST", "/v1/leases") == 1
+
+
+def test_the_plain_routes_answer_their_models(app):
+    """Liveness, info, the model list and the reports answer what their models say (the
+    client reads info and models back as the dicts and list it always gave)."""
+    from fastapi.testclient import TestClient
+
+    from tensorhub.protocol import Health, Info, ModelList
+
+    with TestClient(app) as c:
+        h = Health.model_validate(c.get("/healthz").json())
+        assert h.ok and h.role == "leader" and h.leader is None and h.epoch
+        info = c.get("/v1/info").json()
+        assert Info.model_validate(info).lease_ttl == 30.0 and info["suspect_ttl"] == 30.0
+        assert c.post("/v1/models/m/versions", json={}).json() == {"version": 1}
+        assert ModelList.model_validate(c.get("/v1/models").json()).model_dump() == \
+            [{"model": "m", "counter": 1, "latest": None}]
+        assert c.post("/v1/workers", json={"worker_id": "w", "endpoint": "127.0.0.1:1"}).json()["suspect_ttl"] == 30.0
+        assert c.post("/v1/replicas/r-1/report", json={"worker_id": "w", "reason": "x"}).json() == {}
+        bad = c.post("/v1/swaps", json={"nope": 1})
+        assert bad.status_code == 422 and bad.json()["code"] == "invalid_request"

@@ -9,9 +9,9 @@ Nothing on the wire is pickled: requests and answers are JSON, checked by these 
 - ``requests``: the request bodies; ``answers``: the coordinator's answers.
 """
 
-from .answers import (ChunksHeld, Error, HeartbeatAnswer, LayoutView, LeaseGrant, Released, Renewed, ReplicaInfo,
-                      ReplicaRegistered, ReplicaView, Unpublished, VersionAnswer, VersionSums, VersionView,
-                      WorkerRegistered, WorkerRemoved)
+from .answers import (ChunksHeld, Done, Error, Health, HeartbeatAnswer, Info, LayoutView, LeaseGrant, ModelEntry,
+                      ModelList, Released, Renewed, ReplicaInfo, ReplicaRegistered, ReplicaView, Unpublished,
+                      VersionAnswer, VersionSums, VersionView, WorkerRegistered, WorkerRemoved)
 from .base import (API_VERSION, DTYPE_SIZES, MAX_BODY_BYTES, MAX_CHUNKS, MAX_DIMS, MAX_NAME_LEN, MAX_SHARDS,
                    MAX_TENSOR_BYTES, MAX_TENSORS, MAX_VERSION, Address, Ident, ModelName, Name, Shard, Version)
 from .layouts import DELTA_PREFIX, SLICED, delta_layout, is_delta_layout

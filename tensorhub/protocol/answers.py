@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, RootModel, model_serializer
 
 from .base import _Model
 from .manifest import AddressRuns, Locality, Manifest, VersionMeta
@@ -225,3 +225,40 @@ class Renewed(_Answer):
 class Released(_Answer):
     valid: bool
 
+
+class Health(_Answer):
+    """``GET /healthz``: alive, and the role (``leader``, or ``follower`` with the leader's
+    URL, ``null`` while an election runs); ``url``: this coordinator's own (etcd HA only)."""
+
+    ok: bool
+    epoch: Optional[str]
+    role: str
+    leader: Optional[str]
+    url: Optional[str] = None
+
+
+class Info(_Answer):
+    """``GET /v1/info``: the coordinator's epoch, wall-clock time and timing settings."""
+
+    epoch: str
+    time: float
+    lease_ttl: float
+    worker_ttl: float
+    suspect_ttl: float
+    max_body_bytes: int
+
+
+class ModelEntry(_Answer):
+    model: str
+    #: The last version number allocated.
+    counter: int
+    #: The newest complete version (None: none yet).
+    latest: Optional[int]
+
+
+class ModelList(RootModel[list[ModelEntry]]):
+    """``GET /v1/models``: every model the coordinator knows, by name."""
+
+
+class Done(_Answer):
+    """An answer that says only that the call was taken (reports): ``{}``."""

@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .answers import (ChunksHeld, HeartbeatAnswer, LeaseGrant, Released, Renewed, ReplicaRegistered, Unpublished,
-                      VersionAnswer, VersionView, WorkerRegistered, WorkerRemoved)
+from .answers import (ChunksHeld, Done, Health, HeartbeatAnswer, Info, LeaseGrant, ModelList, Released, Renewed,
+                      ReplicaRegistered, Unpublished, VersionAnswer, VersionView, WorkerRegistered, WorkerRemoved)
 from .manifest import Manifest
 from .requests import (AcquireLease, AllocateVersion, FetchReport, FleetApplied, FleetJoin, FleetReady, FleetSwitch,
                        Heartbeat, LeaseCovers, RegisterReplica, RegisterWorker, Report, ReportChunks, Resolve,
@@ -46,12 +46,12 @@ class Route:
 
 #: Every route of the coordinator, by the name the client's method has.
 ROUTES: dict[str, Route] = {
-    "healthz": Route("GET", "/healthz"),
-    "info": Route("GET", "/v1/info"),
+    "healthz": Route("GET", "/healthz", None, Health),
+    "info": Route("GET", "/v1/info", None, Info),
     "register_worker": Route("POST", "/v1/workers", RegisterWorker, WorkerRegistered),
     "heartbeat": Route("POST", "/v1/workers/{worker_id}/heartbeat", Heartbeat, HeartbeatAnswer),
     "remove_worker": Route("DELETE", "/v1/workers/{worker_id}", None, WorkerRemoved),
-    "models": Route("GET", "/v1/models", gate=4),
+    "models": Route("GET", "/v1/models", None, ModelList, gate=4),
     # A reader's last call (release + complete registration: it becomes a source) and a
     # publisher's first go first; then leases and refreshes, manifests, resolves, the views.
     "allocate_version": Route("POST", "/v1/models/{model}/versions", AllocateVersion, VersionAnswer, gate=0),
@@ -61,15 +61,15 @@ ROUTES: dict[str, Route] = {
     "version": Route("GET", "/v1/models/{model}/versions/{version}", None, VersionView, gate=4),
     "manifest": Route("GET", "/v1/models/{model}/versions/{version}/manifest", None, Manifest, gate=2),
     "unpublish": Route("POST", "/v1/models/{model}/versions/{version}/unpublish", Unpublish, Unpublished),
-    "report_replica": Route("POST", "/v1/replicas/{replica_id}/report", Report),
+    "report_replica": Route("POST", "/v1/replicas/{replica_id}/report", Report, Done),
     "report_chunks": Route("POST", "/v1/replicas/{replica_id}/chunks", ReportChunks, ChunksHeld),
     "acquire_lease": Route("POST", "/v1/leases", AcquireLease, LeaseGrant, gate=1),
     "renew_lease": Route("POST", "/v1/leases/{lease_id}/renew", None, Renewed),
     "release_lease": Route("POST", "/v1/leases/{lease_id}/release", None, Released),
     "lease_covers": Route("POST", "/v1/leases/{lease_id}/covers", LeaseCovers, Released),
     "status": Route("GET", "/v1/status", gate=4),
-    "report_fetch": Route("POST", "/v1/fetches", FetchReport),
-    "report_swap": Route("POST", "/v1/swaps", SwapReport),
+    "report_fetch": Route("POST", "/v1/fetches", FetchReport, Done),
+    "report_swap": Route("POST", "/v1/swaps", SwapReport, Done),
     "fleet_join": Route("POST", "/v1/fleets/{group}/join", FleetJoin),
     "fleet_ready": Route("POST", "/v1/fleets/{group}/ready", FleetReady),
     "fleet_switch": Route("POST", "/v1/fleets/{group}/switch", FleetSwitch),
