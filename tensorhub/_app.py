@@ -129,7 +129,8 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
         coord.call(lambda now: st().register_worker(now, req.worker_id, req.endpoint, req.locality), soft=True)
         return WorkerRegistered(epoch=coord.state.epoch, worker_ttl=coord.config.worker_ttl,
                                 lease_ttl=coord.config.lease_ttl, address_runs=True, lease_secrets=True,
-                                ahead=True, register_like=True, suspect_ttl=coord.config.suspect_ttl)
+                                ahead=True, register_like=True, slices_grant=True,
+                                suspect_ttl=coord.config.suspect_ttl)
 
     @_on(app, "heartbeat")
     async def heartbeat(worker_id: str = _id(), req: Optional[Heartbeat] = Body(default=None)) -> HeartbeatAnswer:

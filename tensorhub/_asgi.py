@@ -248,7 +248,7 @@ async def _lease(coord: Coordinator, req: AcquireLease, wait: float) -> bytes:
     refusal (CoordinatorError)."""
     if not req.ahead:
         grant = await coord.acall(lambda now: coord.state.acquire_lease(now, req))
-        if grant.lease_id != req.lease_id:
+        if grant.lease_id and grant.lease_id != req.lease_id:  # ("": a sliced version's layout, no lease)
             coord.metrics.leases_granted.labels(grant.model).inc()
         # Already a validated LeaseGrant: serialized once (response_model would re-validate it).
         return coord.lease_answers.encode(grant)

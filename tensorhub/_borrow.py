@@ -39,7 +39,7 @@ import weakref
 from typing import Any, Iterable, Optional
 
 from ._checksum import verifier
-from ._exceptions import ConflictError, FetchError, LeaseLapsedError, TensorHubError
+from ._exceptions import LeaseLapsedError, ReadSlices, TensorHubError
 from ._fencing import LeaseClock, renew_leases
 from ._fetch import FetchOptions
 from ._sources import acquire_lease, release_all, release_checked
@@ -171,11 +171,8 @@ def borrow(session: Session, opts: FetchOptions, model: str, version: int, layou
     clock = LeaseClock()
     try:
         grant = acquire_lease(session, model, version, layout, shard, set(), deadline, clock, opts.max_sources)
-    except FetchError as e:
-        cause = e.__cause__
-        if isinstance(cause, ConflictError) and cause.code == "read_slices":
-            return None  # published as slices, no assembled copy: nothing to map as a whole
-        raise
+    except ReadSlices:
+        return None  # published as slices, no assembled copy: nothing to map as a whole
     leases = [grant.lease_id]
     what = f"{model!r} v{version} ({layout}, shard {shard})"
     try:

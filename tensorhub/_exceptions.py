@@ -144,3 +144,14 @@ class FetchError(TensorHubError):
 
 class LeaseLapsedError(FetchError):
     """A read lease expired before it was released; the bytes read under it were discarded."""
+
+
+class ReadSlices(FetchError):
+    """(Not public.) The coordinator's word, in a lease's answer (``LeaseGrant.layout`` is
+    ``hf.slices``) or an older coordinator's ``read_slices`` refusal, that this ``hf`` version
+    was published as slices and no assembled copy serves: ``Hub.fetch`` reads the slices
+    (``_sliced``). ``num_shards``: the sliced layout's, when the answer said it."""
+
+    def __init__(self, message: str, num_shards: "int | None" = None) -> None:
+        super().__init__(message)
+        self.num_shards = num_shards

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from ._checksum import verifier
 from ._attempts import read_attempts
-from ._exceptions import FetchError, TensorHubError, TensorMismatchError
+from ._exceptions import FetchError, NotFoundError, ReadSlices, TensorHubError, TensorMismatchError
 from ._fencing import LeaseClock
 from ._holdings import Held, Holdings, register_regions, unregister_regions
 from ._metrics import Track
@@ -146,8 +146,7 @@ class Fetch:
         grant: Optional[LeaseGrant] = None if self.policy.offers() else self.policy.first_grant()
         #: The whole shard's manifest (final once registered: read once per version and kept).
         self.manifest = manifest = (grant.manifest if grant is not None else None) or \
-            (self.ahead.manifest if self.ahead is not None else None) or \
-            self.session.manifest(self.model, self.version, self.layout, self.shard)
+            (self.ahead.manifest if self.ahead is not None else None) or self._manifest()
         served = False
         failure: Optional[BaseException] = None
         try:
@@ -203,6 +202,17 @@ class Fetch:
             # Break the fetch <-> policy cycle: new memory freed by the caller is then freed
             # (reused, page faults already paid: transport/_shm) at once, not at the next gc.
             self.policy.f = None  # type: ignore[assignment]
+
+    def _manifest(self) -> Manifest:
+        """The shard's manifest, read before the lease (serving while receiving). A version
+        with no ``hf`` manifest may have been published as slices: ``ReadSlices`` (the
+        caller reads them, and says so if there are none)."""
+        try:
+            return self.session.manifest(self.model, self.version, self.layout, self.shard)
+        except NotFoundError as e:
+            if e.code != "unknown_layout" or (self.layout, self.shard) != ("hf", 0) or self.ahead is not None:
+                raise
+            raise ReadSlices(e.message) from e
 
     def _bind(self, grant: LeaseGrant) -> None:
         """Asked ahead, granted: the version is ``grant.version``; its manifest (read once)

@@ -127,7 +127,13 @@ class Grants:
             if hit is not None and hit[0] in leases and leases[hit[0]].expires >= now:
                 # (granted before this retry arrived: the reader trusts it from then on)
                 return hit[1].model_copy(update={"granted_after": min(0.0, leases[hit[0]].granted_at - now)})
-        self._check_sliced(now, req)
+        sliced = self._sliced(now, req)
+        if sliced is not None:
+            if not req.slices or req.ahead:
+                raise ConflictError(f"{req.model!r} v{req.version} was published as slices ({sliced} shards of "
+                                    f"layout {SLICED!r}); read them and assemble the full tensors", "read_slices")
+            return LeaseGrant(lease_id="", model=req.model, version=req.version, layout=SLICED, shard=0,
+                              num_shards=sliced, replicas=[], ttl=0.0)  # the layout, and no lease
         li = self.catalog.layout(req.model, req.version, req.layout, req.shard)
         excluded = set(req.exclude)
         key = ShardKey(req.model, req.version, req.layout, req.shard)
@@ -430,24 +436,23 @@ class Grants:
         except (ConflictError, NotFoundError, InvalidRequestError) as e:
             return None, e.message
 
-    def _check_sliced(self, now: float, req: AcquireLease) -> None:
-        """A reader of ``hf`` whose version was published sliced (``_slices``) and that no
-        assembled ``hf`` replica serves now is told to read the slices (``read_slices``):
-        it assembles the full tensors from the ranks' shards itself."""
+    def _sliced(self, now: float, req: AcquireLease) -> Optional[int]:
+        """The one place that decides whether a reader of ``hf`` reads slices: its version was
+        published sliced (``_slices``) and no assembled ``hf`` replica serves now. Then the
+        number of shards of the sliced layout (the reader assembles the full tensors from the
+        ranks' shards itself), else None."""
         if req.layout != "hf" or req.shard != 0:
-            return
+            return None
         vi = self.catalog.version(req.model, req.version)
         sliced = vi.layouts.get(SLICED)
         if sliced is None or not sliced.complete:
-            return
+            return None
         if "hf" in vi.layouts:
             for r in self.registry.replicas_of_shard(ShardKey(req.model, req.version, "hf", 0)):
                 if not r.draining and r.suspect_until <= now and r.worker_id != req.worker_id \
                         and r.worker_id in self.workers and r.replica_id not in req.exclude:
-                    return  # an assembled copy serves: read it like any hf replica
-        raise ConflictError(f"{req.model!r} v{req.version} was published as slices ({sliced.num_shards} "
-                            f"shards of layout {SLICED!r}); read them and assemble the full tensors",
-                            "read_slices")
+                    return None  # an assembled copy serves: read it like any hf replica
+        return sliced.num_shards
 
     def _check_gone(self, now: float, key: ShardKey, reader: str) -> None:
         """Raise ``version_gone`` when nobody serves the shard and nobody can again

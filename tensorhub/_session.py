@@ -23,11 +23,11 @@ from urllib.parse import urlparse
 
 from . import _addresses, _samehost as samehost
 from ._client import CoordinatorClient
-from ._exceptions import ConflictError, FetchError, HubClosedError, NotFoundError, TensorHubError
+from ._exceptions import ConflictError, FetchError, HubClosedError, NotFoundError, ReadSlices, TensorHubError
 from ._holdings import Held, Holdings, unregister_regions
 from ._kept import KeptBy
 from ._metrics import FetchProgress, Outbox, hub_metrics
-from .protocol import (HeartbeatAnswer, LeaseGrant, Manifest, ManifestLike, ReplicaRegistered, manifest_digest,
+from .protocol import (SLICED, HeartbeatAnswer, LeaseGrant, Manifest, ManifestLike, ReplicaRegistered, manifest_digest,
                        shape_digest)
 from .transport import Transport, create_transport
 
@@ -85,6 +85,8 @@ class Session:
         #: Ask leases with their secret (``LeaseGrant.secret``, what same-host reads prove
         #: their lease with): the coordinator answers it and same-host reads are on.
         self.lease_secrets = False
+        #: The coordinator answers ``AcquireLease.slices`` (``WorkerRegistered.slices_grant``).
+        self.slices_grant = False
         #: The coordinator answers leases asked ahead (``_ahead``).
         self.ahead = False
         #: The coordinator reads a manifest as an earlier version's (``RegisterReplica.like``).
@@ -182,6 +184,7 @@ class Session:
         self.lease_secrets = r.lease_secrets and self.config.samehost
         self.ahead = r.ahead and self.address_runs  # (held requests stay small: offers as runs)
         self.register_like = r.register_like and self.config.register_like
+        self.slices_grant = r.slices_grant
 
     def reregister(self) -> None:
         """Register the worker and every held replica again, under the holdings' lock, with
@@ -310,9 +313,19 @@ class Session:
             body = dict(body, address_runs=True)
         if self.lease_secrets:
             body = dict(body, lease_secret=True)
-        g = self.as_worker(lambda api: api.acquire_lease(body, **kw))
+        if body.get("slices") and not self.slices_grant:
+            body = {k: v for k, v in body.items() if k != "slices"}  # an older coordinator refuses instead
+        try:
+            g = self.as_worker(lambda api: api.acquire_lease(body, **kw))
+        except ConflictError as e:
+            if e.code == "read_slices":
+                raise ReadSlices(e.message) from e
+            raise
         if g is None:  # asked ahead, nothing published within the wait
             return None
+        if g.layout == SLICED and body.get("layout") != SLICED:
+            raise ReadSlices(f"{g.model!r} v{g.version} was published as slices ({g.num_shards} shards of layout "
+                             f"{SLICED!r}) and no assembled copy serves: read the slices", g.num_shards)
         if g.sums is not None and shaped is not None:
             self.keep_manifest(g.model, g.version, g.layout, g.shard, g.sums.manifest(shaped))
         try:

@@ -13,7 +13,8 @@ Who calls what:
   ``unpublish`` returns, exactly as for a full publish: a rank's memory cost per version is
   its own snapshot of its own shard.
 * reader: ``Hub.fetch(model, v)`` (layout ``hf``) of a sliced version that no assembled copy
-  serves yet is told ``read_slices`` by the coordinator and lands in :func:`fetch`: it leases
+  serves yet is told so by the coordinator's answer to its lease (a grant of layout
+  ``hf.slices``: ``AcquireLease.slices``) and lands in :func:`fetch`: it leases
   every rank's shard, reads each slice straight into its place in the full tensors (one
   thread per shard, so the read is striped over the slice holders, each thread striping over
   that shard's replicas), checks each shard's chunk checksums in the assembled memory (as
@@ -231,10 +232,11 @@ def full_manifest(session: Session, model: str, version: int) -> list[TensorSpec
 def fetch(session: Session, holdings: Holdings, opts: FetchOptions, model: str, version: int, *,
           into: Optional[Mapping[str, Any]], serve: bool, deadline: float, track: Track,
           names: Optional[list[str]] = None,
-          ranges: Optional[Mapping[str, tuple[Any, Any]]] = None) -> Fetched:
+          ranges: Optional[Mapping[str, tuple[Any, Any]]] = None, num_shards: Optional[int] = None) -> Fetched:
     """Read ``model`` v``version``'s full tensors (or ``names``, or ``ranges``) from the
-    holders of its slices; see the module docstring."""
-    layout, n = _sources(session, model, version)
+    holders of its slices; see the module docstring. ``num_shards``: the sliced layout's, as
+    a lease's answer said (the slices are read; None: asked of the coordinator here)."""
+    layout, n = (SLICED, num_shards) if num_shards is not None else _sources(session, model, version)
     manifests = [session.manifest(model, version, layout, s) for s in range(n)]
     specs = full_specs(manifests) if layout == SLICED else [t for m in manifests for t in m.tensors]
     by_name = {t.name: t for t in specs}

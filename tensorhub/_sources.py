@@ -57,9 +57,11 @@ class NoNewVersion(HubTimeoutError):
 
 # ---------------------------------------------------------------------- leases
 def acquire_lease(session: Session, model: str, version: int, layout: str, shard: int, excluded: set[str],
-                  deadline: float, clock: Optional[LeaseClock], max_sources: int) -> LeaseGrant:
+                  deadline: float, clock: Optional[LeaseClock], max_sources: int, *, slices: bool = False) -> LeaseGrant:
     """A (plain) lease on the shard; waits (until ``deadline``) while no replica is
-    serving. ``clock`` learns how long the reader may trust it (docs/consistency.md)."""
+    serving. ``clock`` learns how long the reader may trust it (docs/consistency.md).
+    ``slices``: the caller reads a version published as slices itself (``ReadSlices`` is
+    raised when the answer says the version is laid out so); others get the refusal."""
     delay = 0.05
     while True:
         forgive(excluded)
@@ -71,6 +73,8 @@ def acquire_lease(session: Session, model: str, version: int, layout: str, shard
                 "request_id": secrets.token_hex(12),  # a retried request gets the same lease
                 "manifest": False,  # read once by version (Session.manifest), not with every lease
             }
+            if slices and layout == "hf" and shard == 0:
+                body["slices"] = True
             grant = session.lease(body)
             if grant.version != version:
                 raise FetchError(f"asked for {model!r} v{version} but the lease is for v{grant.version}")
@@ -129,7 +133,7 @@ class PlainSources:
     def first_grant(self) -> LeaseGrant:
         f = self.f
         g = acquire_lease(f.session, f.model, f.version, f.layout, f.shard, set(), f.deadline, f.trust,
-                          f.opts.max_sources)
+                          f.opts.max_sources, slices=True)
         f.leases.append(g.lease_id)
         return g
 
@@ -146,7 +150,8 @@ class PlainSources:
     def sources(self, grant: Optional[LeaseGrant], excluded: set[str]) -> list[Source]:
         f = self.f
         g = grant if grant is not None else acquire_lease(f.session, f.model, f.version, f.layout, f.shard,
-                                                          excluded, f.deadline, f.trust, f.opts.max_sources)
+                                                          excluded, f.deadline, f.trust, f.opts.max_sources,
+                                                          slices=True)
         if g.lease_id not in f.leases:
             f.leases.append(g.lease_id)
         keep = f.keep
@@ -209,6 +214,8 @@ class PipelinedSources(PlainSources):
                                     "layout": f.layout, "shard": f.shard, "max_sources": f.opts.max_sources,
                                     "exclude": sorted(excluded)[:1024], "pipelined": True, "lease_id": self.cur,
                                     "manifest": False}
+            if ahead is None and f.layout == "hf" and f.shard == 0:
+                body["slices"] = True  # a version published as slices: the answer says so
             if self.cur is None:
                 body["request_id"] = rid  # a retried request gets the same lease
                 if offer is not None:

@@ -36,7 +36,7 @@ from . import _borrow, _delta_path, _holder, _lora, _next, _sliced, _tensors
 from ._borrow import Borrowed
 from ._client import CoordinatorClient
 from ._exceptions import (
-    ConfigError, ConflictError, FetchError, HubClosedError, NotFoundError, HubTimeoutError, TensorHubError,
+    ConfigError, HubClosedError, NotFoundError, HubTimeoutError, ReadSlices, TensorHubError,
 )
 from ._fencing import LeaseClock, Quarantine
 from ._retry import jittered
@@ -458,18 +458,11 @@ class Hub:
                     return f
             got = Fetch(self._session, self._holdings, opts, model, version, layout, shard, into=into,
                         serve=serve, deadline=deadline, track=track, names=names, pipelined=self.pipelined).run()
-        except (FetchError, NotFoundError) as e:
-            cause = e.__cause__ if isinstance(e, FetchError) else e
-            slices = isinstance(cause, ConflictError) and cause.code == "read_slices"
-            # A reader that serves while receiving asks for the manifest before its lease:
-            # a version published as slices has no 'hf' manifest until one is assembled.
-            slices = slices or (isinstance(cause, NotFoundError) and cause.code == "unknown_layout"
-                                and layout == "hf" and shard == 0 and names is None)
-            if not slices:
-                raise
-            # Published as slices and no assembled copy serves yet (the coordinator said so).
+        except ReadSlices as e:
+            # Published as slices and no assembled copy serves yet: the coordinator's answer
+            # to the lease said so (or, serving while receiving, there is no hf manifest yet).
             got = _sliced.fetch(self._session, self._holdings, opts, model, version, into=into, serve=serve,
-                                deadline=deadline, track=track, names=names)
+                                deadline=deadline, track=track, names=names, num_shards=e.num_shards)
         got.delta_skipped = skipped
         return got
 

@@ -109,6 +109,13 @@ def test_state_sends_hf_readers_to_the_slices_until_an_assembled_copy_serves():
     st.report(5.0, rid, "reader", "bad")  # the only assembled copy is suspect: back to the slices
     with pytest.raises(ConflictError, match="read them and assemble"):
         st.acquire_lease(6.0, ask)
+    # A reader that assembles slices itself says so: the answer names the layout, no lease.
+    open_leases = dict(st.registry.leases)
+    g = st.acquire_lease(6.0, ask.model_copy(update={"slices": True}))
+    assert (g.layout, g.num_shards, g.lease_id, g.replicas) == (SLICED, 2, "", [])
+    assert st.registry.leases == open_leases
+    # ... and reads an assembled copy like any hf replica once one serves again.
+    assert [r.worker_id for r in st.acquire_lease(40.0, ask.model_copy(update={"slices": True})).replicas] == ["other"]
 
 
 # ---------------------------------------------------------------------- Hubs, plain slices
@@ -139,6 +146,40 @@ def test_column_slices_assemble_and_serve(connect):
     assert again.sources == {"reader": got.nbytes} and torch.equal(again["w"], full["w"])
     part = connect("reader3").fetch("m", 1, ranges={"w": ((1, 4), (3, 9))}, serve=False)
     assert torch.equal(part["w"], full["w"][1:4, 3:9]) and part.nbytes == 3 * 6 * 4
+
+
+@pytest.mark.parametrize("serve", [False, True])
+def test_a_reader_learns_the_layout_from_its_lease_answer_not_a_refusal(connect, serve):
+    """Plain (``serve=False``: the lease's answer says ``hf.slices``) and serving while
+    receiving (no ``hf`` manifest yet: no lease asked before the slices' own): no lease of
+    the reader is refused, and the assembled bytes are exact."""
+    from tensorhub import ConflictError
+
+    full = {"w": torch.randn(8, 6)}
+    ranks = _ranks(connect, 2)
+    for r, h in enumerate(ranks):
+        h.publish("m", {"w": Slice(full["w"][4 * r:4 * r + 4].clone(), (8, 6), (4 * r, 0))}, key="k", shard=r,
+                  num_shards=2)
+    reader = connect("reader")
+    api = reader._session.api
+    answers = []
+    real = api.acquire_lease
+
+    def watched(body, **kw):
+        try:
+            g = real(body, **kw)
+        except ConflictError as e:
+            answers.append((body["layout"], e.code))
+            raise
+        answers.append((body["layout"], g.layout))
+        return g
+
+    api.acquire_lease = watched
+    got = reader.fetch("m", 1, serve=serve)
+    assert torch.equal(got["w"], full["w"]) and set(got.sources) == {"rank0", "rank1"}
+    assert all(a[1] in ("hf", SLICED) for a in answers), answers  # no refusal
+    assert (("hf", SLICED) in answers) == (not serve), answers  # the answer that named the layout
+    assert sorted(a for a in answers if a[0] == SLICED) == [(SLICED, SLICED)] * 2  # one lease per rank's shard
 
 
 def test_overlap_and_missing_slices_are_refused_and_the_version_stays_invisible(connect):

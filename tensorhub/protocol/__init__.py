@@ -35,7 +35,7 @@ __all__ = [
     "RegisterReplica", "RegisterWorker", "Report", "ReportChunks", "Resolve", "Seconds", "ServeOffer", "SwapReport",
     "Unpublish", "lease_proof", "FLEET_ID", "FleetJoin", "FleetReady", "FleetSwitch", "FleetApplied",
     # answers
-    "ChunksHeld", "Error", "HeartbeatAnswer", "LayoutView", "LeaseGrant", "Released", "Renewed", "ReplicaInfo",
-    "ReplicaRegistered", "ReplicaView", "Unpublished", "VersionAnswer", "VersionSums", "VersionView",
-    "WorkerRegistered", "WorkerRemoved",
+    "ChunksHeld", "Done", "Error", "Health", "HeartbeatAnswer", "Info", "LayoutView", "LeaseGrant", "ModelEntry",
+    "ModelList", "Released", "Renewed", "ReplicaInfo", "ReplicaRegistered", "ReplicaView", "Unpublished",
+    "VersionAnswer", "VersionSums", "VersionView", "WorkerRegistered", "WorkerRemoved",
 ]

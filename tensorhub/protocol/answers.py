@@ -141,6 +141,9 @@ class WorkerRegistered(_Answer):
     ahead: bool = False
     #: The coordinator reads ``RegisterReplica.like`` (a manifest as an earlier version's).
     register_like: bool = False
+    #: The coordinator answers ``AcquireLease.slices`` (a grant that says the version is
+    #: laid out as slices).
+    slices_grant: bool = False
     #: How long a replica a reader reported stays suspect (no new leases name it); readers
     #: let a source they failed as hung back in after it. None: an older coordinator.
     suspect_ttl: Optional[float] = None
