@@ -76,7 +76,7 @@ class MemorySide:
 
     def __init__(self, tmp: Path, link: float) -> None:
         import tensorhub
-        from tensorhub._state import StateConfig
+        from tensorhub.server.state import StateConfig
         from tensorhub.coordinator import EmbeddedCoordinator
         from tensorhub.testing import InMemoryTransport
 

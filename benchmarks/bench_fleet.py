@@ -28,7 +28,7 @@ Two protocols (``--protocol``):
     python benchmarks/bench_fleet.py --burst --repeat 3   # issue 31's lease burst: 1,024 leases asked ahead vs the usual way
 
 ``--burst`` (``run_burst``): N followers answered at one publish, their leases asked ahead
-(``tensorhub._ahead``) against the usual way side by side; see the section's comment.
+(``tensorhub.server.ahead``) against the usual way side by side; see the section's comment.
 
 ``run_fleet(...)`` is what ``tests/test_load.py`` calls (shortened, no timing assertions).
 """
@@ -849,7 +849,7 @@ def run_fleet(*, workers: int = 10_000, readers: int = 1024, tensors: int = 50_0
 # out (nothing is read: the figure is the control plane's). The publisher registers v2 and
 # the clock runs from the moment its registration is sent:
 #
-# * ``ahead`` (``tensorhub._ahead``, what ``Hub.fetch_next`` does): every reader holds its
+# * ``ahead`` (``tensorhub.server.ahead``, what ``Hub.fetch_next`` does): every reader holds its
 #   lease for v2 asked ahead (``POST /v1/leases?wait=``, its serve offer named by the
 #   ``shape_digest`` of v1's manifest, addresses as runs, chunk map fields), polled again
 #   with the same request id if a poll lapses (``PipelinedSources._acquire``). Once

@@ -29,8 +29,8 @@ complete + release).
     python benchmarks/bench_routes.py --only ahead --reps 5   # subscribe ahead: bind per subscriber
 
 Subscribing ahead (``--ahead``, on by default; ``--only ahead`` runs just it): the coordinator's
-state machine alone (``tensorhub._state.CoordinatorState``, no HTTP, no process), as
-``_coordinator.Coordinator._apply`` runs it. ``--readers`` workers on hosts of 8 GPUs each
+state machine alone (``tensorhub.server.state.CoordinatorState``, no HTTP, no process), as
+``server.core.Coordinator._apply`` runs it. ``--readers`` workers on hosts of 8 GPUs each
 subscribe for v+1 (``subscribe``: an ``ahead`` lease with the serve offer the client sends,
 address runs + chunk map), the publisher registers v+1, and the call that completes it binds
 every subscriber (``bind_ahead``: offers registered, one plan fixed, every grant made) and
@@ -244,9 +244,9 @@ def _ahead_round(readers: int, man: dict, chunks: int) -> dict:
     registration of v+1, and the bind + encode, and what the bind answered."""
     from tensorhub._addresses import encode
     from tensorhub._grid import grid_chunk_bytes
-    from tensorhub._manifest_cache import LeaseAnswers
-    from tensorhub._state import CoordinatorState, StateConfig
-    from tensorhub._ahead import warm
+    from tensorhub.server.manifest_cache import LeaseAnswers
+    from tensorhub.server.state import CoordinatorState, StateConfig
+    from tensorhub.server.ahead import warm
     from tensorhub.protocol import (AcquireLease, Locality, Manifest, RegisterReplica, ServeOffer, manifest_json,
                                     shape_digest)
 
@@ -285,7 +285,7 @@ def _ahead_round(readers: int, man: dict, chunks: int) -> dict:
     manifest2 = Manifest.model_validate(man)  # (v2's manifest, as parsed from its registration: a new object)
     c0 = time.process_time()
     manifest_json(manifest2)  # what the registration's parse thread makes, off the event loop
-    if st.ahead.waits_on("policy"):  # (``_asgi._parse_registration``)
+    if st.ahead.waits_on("policy"):  # (``server.asgi._parse_registration``)
         warm(manifest2)
     thread = time.process_time() - c0
     c0 = time.process_time()

@@ -5,19 +5,19 @@ coordinator's choices come from the same functions it calls (``tensorhub._planne
 ``choose_sources`` for cost/load ordering, striping, partial replicas and cross-datacenter
 seeding; ``pick_chunk`` for which chunk to read from which source; ``chunk_order``,
 ``start_fraction``, ``start_reverse`` for where concurrent readers start;
-``tensorhub._stripes.Plan`` for striped plans, joined as ``_grants._planned`` does).
+``tensorhub.server.stripes.Plan`` for striped plans, joined as ``server.grants._planned`` does).
 
 **The model credits only what the code does** (issue 31; docs/operations/benchmarks.md):
 
 * **readers follow the model and subscribe ahead** (``--ahead``, the default; what the code's
-  followers do now: ``Hub.fetch_next``, ``tensorhub/_ahead.py``): every reader's serving lease
+  followers do now: ``Hub.fetch_next``, ``tensorhub/server/ahead.py``): every reader's serving lease
   is held before the publish; the call that completes the version binds them all
   (:data:`COORD_MS` ``bind`` per subscriber, measured by ``bench_routes.py --only ahead``): the
   readers of the publisher's datacenter join its plan in arrival order and the layout is fixed
   with all of them (``Plan.join`` then ``Plan.fix``: none late, no refresh), the others get the
   usual grant right after; then, in plan order, each grant is made and encoded (``grant``)
   and its held request answered by the event loop (``wake``, bench_fleet --burst) before the
-  next grant (``--ahead-deliver stream``, as ``_coordinator.Subscribers.stream``; ``batch``:
+  next grant (``--ahead-deliver stream``, as ``server.core.Subscribers.stream``; ``batch``:
   every grant, then every answer, the code before); each reader reads at once (its grant carries the version's checksums: no manifest GET). ``--no-ahead``: leases asked
   after the publish (resolve, manifest, lease, queued), as below; ``--compare`` (default)
   prints both. ``elastic``'s newcomers hold no earlier version: never ahead;
@@ -31,7 +31,7 @@ seeding; ``pick_chunk`` for which chunk to read from which source; ``chunk_order
   measured by ``benchmarks/bench_routes.py`` (:data:`COORD_MS`; ``--coord-costs``,
   ``--coord-scale``) and is served first come first served by one server; what it decides
   takes effect when it is served. A reader joins a striped plan only if its lease is
-  served inside the plan's forming window (``_stripes.WINDOW``, 50 ms after the first
+  served inside the plan's forming window (``server.stripes.WINDOW``, 50 ms after the first
   member); a later one is a *late joiner*, a carrier at the bottom of the tree (``Plan.join``); once
   a reader registered a complete copy, later ones get no plan. The reader's loop waits for
   each call; a reader is done when its release+register is answered;
@@ -78,7 +78,7 @@ Workloads (``--sizes`` GPUs standalone, 1,024 GPUs on 128 nodes for the others):
 * ``standalone``: a trainer publishes; every GPU fetches the new version (64, 256, 1,024).
 * ``crossdc``: the trainer is in datacenter 0; GPUs are spread over D datacenters (with
   D > 2 the seeders of the others read by one plan across datacenters, scope
-  ``tensorhub._stripes.WAN``, the trainer's stripes relayed by datacenter 0's readers).
+  ``tensorhub.server.stripes.WAN``, the trainer's stripes relayed by datacenter 0's readers).
 * ``elastic``: 7/8 of the GPUs already serve the version; 1/8 join and fetch it.
 * ``kimi`` (:func:`kimi`): a Kimi-K2-class update, 1 TB published sliced by 256 trainer
   ranks, 128 inference GPUs, as the code reads a sliced version today, printed beside
@@ -122,7 +122,7 @@ from tensorhub._planner import (  # noqa: E402 - the planner the coordinator run
     LEVELS, Candidate, chunk_order, choose_sources, claims, grid_chunk_bytes, group_key, locality_cost, pick_chunk,
     reserve_chunks, start_fraction, start_reverse,
 )
-from tensorhub._stripes import (  # noqa: E402 - the plans it grants
+from tensorhub.server.stripes import (  # noqa: E402 - the plans it grants
     HOSTS_IN_PLANS,
     MIN_CHUNKS, NONE, STRIPES, WAN, WINDOW, Plan, plan_root, relayed, wan_root, wan_stripes,
 )
@@ -420,7 +420,7 @@ COORD_MS = {
     "resolve": 0.112,  # POST .../resolve: ``latest`` (or a woken ``wait``)
     "manifest": 0.132,  # GET .../manifest (gzip, encoded once)
     # 2026-12-07 (second session): ``POST /v1/leases`` answered without FastAPI's routing
-    # (``_asgi._Leases``): the lease and refresh rows of ``python benchmarks/bench_routes.py
+    # (``server.asgi._Leases``): the lease and refresh rows of ``python benchmarks/bench_routes.py
     # --addresses runs --no-ahead --readers 256``, the tree before and after run one after the
     # other on one machine (a slower day: 3.05 -> 2.27-2.34 ms and 0.938 -> 0.469 ms), applied
     # as ratios (x0.75, x0.50) to the figures measured before (0.508, 0.274).
@@ -429,15 +429,15 @@ COORD_MS = {
     "release": 0.240,  # POST /v1/replicas: the complete replica registered + the lease released, one call
     "heartbeat": 0.039,  # every worker, every HEARTBEAT_S
     "report": 0.058,  # the heartbeat of a worker that is reading (it carries a fetch report)
-    # Subscribing ahead (tensorhub/_ahead.py), measured on the state machine (no HTTP) by
+    # Subscribing ahead (tensorhub/server/ahead.py), measured on the state machine (no HTTP) by
     # ``python benchmarks/bench_routes.py --only ahead --reps 5``, 2026-12-06, quiet machine: the
     # bind in the publisher's call (each offer registered, each subscriber in its plan, the
     # layouts fixed) 0.108 ms per subscriber, then each grant made + encoded 0.105 ms
     # (0.213 in all, median of 5 rounds 0.203-0.338), streamed once the version is durable
-    # (``_coordinator.Subscribers.stream``: each answered before the next is made).
+    # (``server.core.Subscribers.stream``: each answered before the next is made).
     # 2026-12-07: that 0.108 ms was ~40 ms per publish (the new manifest's shape digest and
     # chunk grid, a layout quadratic in the members) spread over 1,024 subscribers; with those
-    # made on the registration's parse thread (``_ahead.warm``) and the layout from a heap, the
+    # made on the registration's parse thread (``server.ahead.warm``) and the layout from a heap, the
     # bind is a fixed 4.5 ms + 0.055 ms per subscriber (bench_routes --only ahead at 16, 64,
     # 256 and 1,024 subscribers: 5.3, 8.6, 18.4, 56.9 ms).
     "bind": 0.055,  # per subscriber, in the call that completes the version (all before any answer)
@@ -466,9 +466,9 @@ COORD_MS = {
     # --repeat 2`` (1,024 subscribers; docs/operations/benchmarks.md, "A lease burst"): 146 us
     # on a quiet machine (an earlier run under load: 107 us); issue 31's target ~0.02 ms.
     # 2026-12-07 (second session): the held request answered as two ASGI messages
-    # (``_asgi._Leases``), not through FastAPI's route and response: the coordinator's CPU
+    # (``server.asgi._Leases``), not through FastAPI's route and response: the coordinator's CPU
     # per subscriber between the first answer and the last, less its grant's make and encode
-    # (``_coordinator.Subscribers._stream`` timed inside the real coordinator process under
+    # (``server.core.Subscribers._stream`` timed inside the real coordinator process under
     # ``bench_fleet.py --burst --burst-modes ahead``, old and new trees alternating, two rounds
     # each): ~190 -> ~128 us, applied as a ratio (x0.67) to 0.146.
     "wake": 0.098,
@@ -597,9 +597,9 @@ class MapSim(Sim):
     * one pipelined lease per reader, which also registers its partial replica: the
       coordinator knows it holds *nothing* (it never hears of chunks), so partial
       candidates are ordered by load and registration only, and no reservations or claims
-      are made (``_state.acquire_lease``: ``own`` is None for a chunk-map replica); where
-      one source is scarce the coordinator's striped plan (``_stripes.Plan``, joined and
-      asked exactly as ``_grants._planned`` does, at the time the lease is *served*: inside
+      are made (``server.state.acquire_lease``: ``own`` is None for a chunk-map replica); where
+      one source is scarce the coordinator's striped plan (``server.stripes.Plan``, joined and
+      asked exactly as ``server.grants._planned`` does, at the time the lease is *served*: inside
       the plan's forming window a member, after it a late joiner -- a carrier at the tree's bottom --
       and, once some reader registered a complete copy, no plan) names each stripe's parent
       instead, and the reader reads each stripe only from it (any source after a stall);
@@ -628,7 +628,7 @@ class MapSim(Sim):
     @property
     def _hosts_in_plans(self) -> bool:
         """Plans lay out by host where a same-host path exists for partial replicas (the code:
-        ``_stripes.HOSTS_IN_PLANS``, none yet; ``--samehost-path nvlink`` models one)."""
+        ``server.stripes.HOSTS_IN_PLANS``, none yet; ``--samehost-path nvlink`` models one)."""
         return HOSTS_IN_PLANS or self.cl.samehost == "nvlink"
 
     def __init__(self, cl: Cluster, nbytes: float, num_chunks: int, *, rtt: float = 50e-6,
@@ -690,7 +690,7 @@ class MapSim(Sim):
         return f"r{self.ids[w]:07d}"
 
     def _planned(self, r: MapReader) -> bool:
-        """As ``_grants._planned``: a plan (``tensorhub._stripes``) where one source is
+        """As ``server.grants._planned``: a plan (``tensorhub.server.stripes``) where one source is
         scarce; True when the reader's sources come from its plan. ``self.now`` is the time
         the coordinator serves the call."""
         if not self.plans_on:
@@ -792,7 +792,7 @@ class MapSim(Sim):
                         co.ask(end, "grant", w)
                 continue
             r = self.mreaders[who]
-            if kind == "grant":  # made and encoded (``_coordinator.Subscribers.stream``)
+            if kind == "grant":  # made and encoded (``server.core.Subscribers.stream``)
                 self._grants_left -= 1
                 if self.deliver == "stream":
                     co.ask(end, "wake", who)  # answered at once, before the next grant
@@ -824,9 +824,9 @@ class MapSim(Sim):
         self.now = now
 
     def _bind(self) -> None:
-        """The call that completes the version binds every subscriber (``_ahead.bind``): each
+        """The call that completes the version binds every subscriber (``server.ahead.bind``): each
         one whose plan is in its own datacenter joins it in arrival order (``Grants.join_ahead``:
-        the same ``_stripes.Plan.join``), each such plan's layout is fixed (``Plan.fix``: all of
+        the same ``server.stripes.Plan.join``), each such plan's layout is fixed (``Plan.fix``: all of
         them members, none late, no refresh), then every grant is made (``acquire_lease``:
         here :meth:`_lease`) -- the plans' members in plan order, then the others (readers
         that would seed their datacenter through a plan across datacenters, or readers of a
@@ -1419,7 +1419,7 @@ def kimi(args: argparse.Namespace) -> dict:
     ``--kimi-gpus`` inference GPUs (8 to a node, a ``--kimi-nic-gbps`` NIC each) each fetch the
     version in ``hf`` -- the whole of it: a hot-swap fetches every ``hf`` tensor on every rank
     (``tensorhub/integrations/_core/load.py``) -- and, no assembled copy serving yet, are told
-    ``read_slices`` (``_grants._check_sliced``) and land in ``_sliced.fetch``: a manifest GET
+    ``read_slices`` (``server.grants._check_sliced``) and land in ``_sliced.fetch``: a manifest GET
     per slice, then one thread per slice that leases it (no ``serve``: a slice being read is
     not offered to others), reads it straight from its holder (one source: no plan, no
     relaying) and releases it; at the end one call registers the assembled copy.
@@ -1757,13 +1757,13 @@ def main() -> int:
                     help="the control loop: chunk maps (as implemented) or the chunk reports / refreshes before them "
                          "(reports: the old model, free coordinator, for comparison only)")
     ap.add_argument("--plans", action=argparse.BooleanOptionalAction, default=True,
-                    help="chunkmap: the coordinator's striped plans (tensorhub/_stripes.py); --no-plans: without")
+                    help="chunkmap: the coordinator's striped plans (tensorhub/server/stripes.py); --no-plans: without")
     ap.add_argument("--samehost-path", choices=SAMEHOST_PATHS, default="none",
                     help="same-host reads: none (default: through Mooncake, the NIC, as the code does for GPU memory "
                          "and partial replicas), memfd (the code's memfd path: complete Hub-memory replicas only), "
                          "nvlink (a CUDA IPC path the code does not have)")
     ap.add_argument("--ahead", action=argparse.BooleanOptionalAction, default=True,
-                    help="chunkmap: readers follow the model and subscribe ahead (tensorhub/_ahead.py: leases held "
+                    help="chunkmap: readers follow the model and subscribe ahead (tensorhub/server/ahead.py: leases held "
                          "before the publish, bound in the publish's call, the plans fixed at once; the code's "
                          "followers do this now); --no-ahead: the leases asked after the publish, queued")
     ap.add_argument("--ahead-deliver", choices=("batch", "stream"), default="stream",
@@ -1882,7 +1882,7 @@ def run_table(args: argparse.Namespace, plan: list, results: dict) -> None:
                  f"a wake-up {c['wake'] * 1e3:.3f} ms "
                  "each, then each reader reads (no manifest GET: the grant carries the checksums); " if getattr(args, "ahead", False) else
                  "leases asked after the publish (--no-ahead); ")
-              + f"the plan's forming window {WINDOW * 1e3:.0f} ms (tensorhub._stripes.WINDOW); "
+              + f"the plan's forming window {WINDOW * 1e3:.0f} ms (tensorhub.server.stripes.WINDOW); "
               f"chunk-map reads {args.rtt_us:g} us + their wait behind the reader's reads from that source"
               + (f" and {args.uplink_queue_ms:g} ms of uplink queue" if args.uplink_queue_ms else "")
               + f"; the read loop {LOOP_S * 1e6:.0f} us + {LOOP_S_PER_CHUNK * 1e6:.2f} us x chunks per chunk; "

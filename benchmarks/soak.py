@@ -73,7 +73,7 @@ from typing import Any, Optional
 os.environ.setdefault("GLOG_minloglevel", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tensorhub._state import StateConfig  # noqa: E402  (retention: which versions may be retired)
+from tensorhub.server.state import StateConfig  # noqa: E402  (retention: which versions may be retired)
 
 #: Errors a user may see from a fetch/unpublish under faults; anything else is a defect.
 CLEAR_ERRORS = {"FetchError", "NotFoundError", "HubTimeoutError", "ConflictError", "RetentionError",

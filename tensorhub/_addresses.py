@@ -14,7 +14,7 @@ Who calls what:
 - holder / reader (``Session``): :func:`encode` once per held replica, when the coordinator
   said it reads runs (``WorkerRegistered.address_runs``); :func:`expand_grant` on every
   lease answer, so the rest of the client sees plain addresses as before.
-- coordinator (``_state``): :func:`check` on every registration (count against the
+- coordinator (``server.state``): :func:`check` on every registration (count against the
   manifest, bounds; O(runs) after one O(tensors) pass per manifest), :func:`stored` keeps
   the form it was sent (never expanded), :func:`answer` writes a source into a lease answer:
   its runs to readers that asked for them, else its addresses (expanded once per replica

@@ -305,7 +305,7 @@ class CoordinatorClient:
             params["newer_than"] = newer_than
         return self.call("latest", params=params or None, model=model, kw=kw).version
 
-    # fleet switch groups (``_fleet``): plain JSON answers
+    # fleet switch groups (``server.fleet``): plain JSON answers
     def fleet_join(self, group: str, member: str, model: str, version: Optional[int], switch: str = "auto",
                    wait: float = 60.0, engine: Optional[str] = None, **kw: Any) -> dict:
         return self.call("fleet_join", {"member": member, "model": model, "version": version, "switch": switch,

@@ -18,7 +18,7 @@ Who calls what:
   must be exactly b: names, dtypes, shapes, checksums); then the version number is
   allocated, :func:`publish_delta` encodes and registers the delta layout of v, and only
   then the full layout is published. A delta layout never completes a version
-  (``protocol.is_delta_layout``, ``_catalog.VersionInfo.complete``), so the full layout is what
+  (``protocol.is_delta_layout``, ``server.catalog.VersionInfo.complete``), so the full layout is what
   completes v: whoever is woken by v's completion (``wait_for_version``, an engine's
   prefetcher) finds its delta already registered. If the delta cannot be published (an
   error, or too big to be worth it) the full version is published all the same.

@@ -101,7 +101,7 @@ class Reshaped(FetchError):
 
 @dataclass(frozen=True)
 class Ahead:
-    """A fetch that subscribes ahead (``tensorhub._ahead``): its destination laid out by
+    """A fetch that subscribes ahead (``tensorhub.server.ahead``): its destination laid out by
     ``manifest`` (the version it holds), its lease asked before the version exists and held
     until ``until`` (``time.monotonic()``), then ``timeout`` seconds to read."""
 

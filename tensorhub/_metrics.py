@@ -119,7 +119,7 @@ class CoordinatorMetrics:
         self._known = {_route(m, p) for m, p in routes}
 
     def track_election(self, election: Any) -> None:
-        """Highly available coordinators (``_election.Election``): its role and counts."""
+        """Highly available coordinators (``server.election.Election``): its role and counts."""
         self.registry.register(_ElectionCollector(election))
 
     def exposition(self) -> bytes:

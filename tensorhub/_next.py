@@ -1,5 +1,5 @@
 """``Hub.fetch_next``: read the next version as soon as it is published, its lease asked
-ahead (``tensorhub._ahead``, issue 31 item 1) -- what a reader that follows a model does
+ahead (``tensorhub.server.ahead``, issue 31 item 1) -- what a reader that follows a model does
 (engines' prefetch, ``tensorhub follow``, the verl receiver).
 
 The destination (``into``, e.g. the kept copy of an older version, or new memory) is laid

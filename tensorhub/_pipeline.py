@@ -116,7 +116,7 @@ class PipelinedReader(ShardReader):
         self._stale: set[str] = set()  # replicas whose map once read as stale: never read from
         self._fail: Any = None
         self._t0 = 0.0
-        #: The coordinator's striped plan (``_stripes``): the replica to read chunk c from is
+        #: The coordinator's striped plan (``server.stripes``): the replica to read chunk c from is
         #: ``plan[c % len(plan)]`` ("": none yet); None: no plan. And when to ask for its
         #: fixed layout (monotonic; 0: it is fixed).
         self.plan: Optional[tuple[str, ...]] = None

@@ -1,6 +1,6 @@
 """Source choice, striping and cross-datacenter seeding, as pure functions.
 
-No I/O, no clock, no coordinator state: the coordinator (``_state.CoordinatorState.acquire_lease``)
+No I/O, no clock, no coordinator state: the coordinator (``server.state.CoordinatorState.acquire_lease``)
 and the flow-level simulation (``benchmarks/simulate.py``) call the same functions, so what
 the simulation argues at 1,024 GPUs is the code that runs. The pipelined reader
 (``_pipeline.PipelinedReader``) and the simulation also share :func:`pick_chunk`.

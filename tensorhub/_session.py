@@ -87,7 +87,7 @@ class Session:
         self.lease_secrets = False
         #: The coordinator answers ``AcquireLease.slices`` (``WorkerRegistered.slices_grant``).
         self.slices_grant = False
-        #: The coordinator answers leases asked ahead (``_ahead``).
+        #: The coordinator answers leases asked ahead (``server.ahead``).
         self.ahead = False
         #: The coordinator reads a manifest as an earlier version's (``RegisterReplica.like``).
         self.register_like = False

@@ -7,7 +7,7 @@ manifest carries a :class:`~tensorhub.protocol.SliceSpec` (the full tensor's sha
 slice's offsets in it); the slice's bytes are the shard's own, contiguous, in row-major
 order of the slice.
 
-Coordinator (``_catalog.add_manifest`` calls :func:`check_register`): a shard's slices
+Coordinator (``server.catalog.add_manifest`` calls :func:`check_register`): a shard's slices
 must agree with those already registered (same dtype and full shape per tensor name, no
 two slices overlapping), and the last shard to register must leave no gap: only then is
 the layout, and so the version, complete. A registration that breaks one of these is

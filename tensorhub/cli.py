@@ -19,7 +19,7 @@ __all__ = ["main", "format_status", "ProgressLine"]
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from ._state import StateConfig
+    from .server.state import StateConfig
     from .coordinator import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

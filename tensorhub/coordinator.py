@@ -1,7 +1,7 @@
 """The coordinator service, started: a server (``serve``, behind ``tensorhub coordinator``) or
 one embedded in a process (:class:`EmbeddedCoordinator`), around :class:`Coordinator`
-(``_coordinator``: the state machine, its store, lock, clock and leadership). Its routes
-are ``tensorhub._app`` (``create_app``), the HTTP shell below them ``tensorhub._asgi``.
+(``server.core``: the state machine, its store, lock, clock and leadership). Its routes
+are ``tensorhub.server.app`` (``create_app``), the HTTP shell below them ``tensorhub.server.asgi``.
 
 Run it as ``tensorhub coordinator --host 127.0.0.1 --port 0 --state-dir DIR``, or embed it
 in a process with :class:`EmbeddedCoordinator` (the demo does). Every request takes one
@@ -30,13 +30,13 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ._app import create_app
-from ._coordinator import Coordinator, ha_coordinator
+from .server.app import create_app
+from .server.core import Coordinator, ha_coordinator
 from ._exceptions import ConfigError
-from ._state import StateConfig
+from .server.state import StateConfig
 
-__all__ = ["Coordinator", "EmbeddedCoordinator", "create_app", "serve", "ha_coordinator", "listen_socket",
-           "socket_url"]
+__all__ = ["Coordinator", "EmbeddedCoordinator", "StateConfig", "create_app", "serve", "ha_coordinator",
+           "listen_socket", "socket_url"]
 
 logger = logging.getLogger(__name__)
 

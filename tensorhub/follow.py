@@ -421,7 +421,7 @@ def follow_lora(args: argparse.Namespace, hub: Any, client: Any, ops: Optional[L
 
 
 class _Fleet:
-    """This follow process's part in a fleet switch group (``tensorhub._fleet``): join, say
+    """This follow process's part in a fleet switch group (``tensorhub.server.fleet``): join, say
     ready when the engine holds a version, apply only when the round says go, report the
     outcome. Joins again whenever the coordinator forgot the member (a restart)."""
 

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tensorhub import ConflictError, NotFoundError, RetentionError
-from tensorhub._state import CoordinatorState, StateConfig
+from tensorhub.server.state import CoordinatorState, StateConfig
 from tensorhub.protocol import AcquireLease, LeaseGrant, Locality, Manifest, RegisterReplica, TensorSpec
 
 MODEL = "m"

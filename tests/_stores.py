@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tensorhub._store import SqliteStore
+from tensorhub.server.store import SqliteStore
 
 
 class SlowStore(SqliteStore):

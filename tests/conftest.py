@@ -62,7 +62,7 @@ def coordinator_with(tmp_path):
 @pytest.fixture
 def embedded(tmp_path):
     """An in-process coordinator (real HTTP on loopback) for fast client tests."""
-    from tensorhub._state import StateConfig
+    from tensorhub.server.state import StateConfig
     from tensorhub.coordinator import EmbeddedCoordinator
 
     with EmbeddedCoordinator(tmp_path / "state", config=StateConfig(lease_ttl=5.0, worker_ttl=3.0)) as c:

@@ -208,7 +208,7 @@ def test_old_and_new_clients_read_each_other_through_runs(tmp_path, monkeypatch)
     """A publisher and readers that send runs, and readers that predate them (plain lists:
     ``TENSORHUB_ADDRESS_RUNS=0``), on one in-process coordinator: every fetch (pipelined,
     real Mooncake) moves the exact bytes, from either kind of source."""
-    from tensorhub._state import StateConfig
+    from tensorhub.server.state import StateConfig
     from tensorhub.coordinator import EmbeddedCoordinator
 
     made: list[Worker] = []

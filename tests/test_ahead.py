@@ -1,4 +1,4 @@
-"""Subscribing ahead (tensorhub/_ahead.py, issue 31 item 1), on the coordinator's state
+"""Subscribing ahead (tensorhub/server/ahead.py, issue 31 item 1), on the coordinator's state
 machine: subscribers held until their version completes, then put into one plan whose
 layout is fixed with all of them (no forming window, no refresh), answered in plan order;
 lapsed subscribers dropped; an offer whose tensors differ refused with the reason; errors
@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 
 from tensorhub._exceptions import CoordinatorError, InvalidRequestError, NotFoundError
-from tensorhub._stripes import NONE, STRIPES, layout
+from tensorhub.server.stripes import NONE, STRIPES, layout
 
 N_CHUNKS = 64
 
 
 def _state(nreaders, hosts=None):
-    from tensorhub._state import CoordinatorState, StateConfig
+    from tensorhub.server.state import CoordinatorState, StateConfig
     from tensorhub.protocol import Locality, Manifest, RegisterReplica, TensorSpec
 
     st = CoordinatorState(StateConfig(lease_ttl=30.0, worker_ttl=30.0), now=0.0)
@@ -159,10 +159,10 @@ def test_a_subscriber_whose_layout_is_missing_gets_the_error_and_the_others_thei
 
 @pytest.mark.parametrize("by_host", [False, True])
 def test_plans_use_host_labels_only_where_a_same_host_path_covers_partial_replicas(by_host, monkeypatch):
-    """``_stripes.HOSTS_IN_PLANS`` (False: no same-host path for partial replicas yet): the
+    """``server.stripes.HOSTS_IN_PLANS`` (False: no same-host path for partial replicas yet): the
     fixed layout ignores hosts, so no interior member's NIC carries its host-mates too;
     with a path (True) host-mates read from each other."""
-    import tensorhub._grants as grants
+    import tensorhub.server.grants as grants
 
     monkeypatch.setattr(grants, "HOSTS_IN_PLANS", by_host)
     hosts = [f"h{k // 4}" for k in range(16)]
@@ -204,7 +204,7 @@ def test_a_bound_lease_is_answered_only_once_its_version_is_durable_and_never_if
     import threading
     import time
 
-    from tensorhub._state import StateConfig
+    from tensorhub.server.state import StateConfig
     from tensorhub.protocol import Locality, RegisterReplica
     from tensorhub.coordinator import Coordinator
 

@@ -1,4 +1,4 @@
-"""Subscribing ahead end to end (``Hub.fetch_next``, tensorhub/_ahead.py): a real coordinator
+"""Subscribing ahead end to end (``Hub.fetch_next``, tensorhub/server/ahead.py): a real coordinator
 process, real Mooncake over loopback, worker processes. Readers that hold v1 ask for v2's
 lease before v2 exists; at the publish they read it as members of one fixed plan. Checked:
 the bytes (sha256 per tensor), the publisher sending about one version, the subscribers

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tensorhub._chunkmap import HEADER, READY, ChunkMap, map_bytes, parse
-from tensorhub._state import CoordinatorState, StateConfig
+from tensorhub.server.state import CoordinatorState, StateConfig
 from tensorhub.protocol import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec, manifest_digest
 
 MiB = 1 << 20

@@ -18,7 +18,7 @@ import torch
 import tensorhub
 from tensorhub import ConfigError, FetchError, HubTimeoutError
 from tensorhub._fencing import LeaseClock
-from tensorhub._state import StateConfig
+from tensorhub.server.state import StateConfig
 from tensorhub.coordinator import EmbeddedCoordinator
 from tensorhub.testing import InMemoryTransport
 

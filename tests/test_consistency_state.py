@@ -1,7 +1,7 @@
 """Consistency under control-plane faults, on the pure state machine (issue 11).
 
 Each test is a scenario that returned a wrong answer before fencing, clamped time, pause
-grace, idempotent retries and ``version_gone`` (see ``tensorhub/_state.py`` invariants
+grace, idempotent retries and ``version_gone`` (see ``tensorhub/server/state.py`` invariants
 8-11); the model-checking tests (test_state_model.py, test_state_exhaustive.py) cover
 their interleavings.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tensorhub import ConflictError
-from tensorhub._state import CoordinatorState, StateConfig
+from tensorhub.server.state import CoordinatorState, StateConfig
 from tensorhub.protocol import AcquireLease, Locality, Manifest, RegisterReplica
 
 LOC = Locality(datacenter="d", zone="z", host="h")
@@ -163,7 +163,7 @@ def test_allocation_retry_with_the_same_request_id_does_not_skip_a_version(tmp_p
 
 
 def test_allocation_answers_survive_a_real_store(tmp_path):
-    from tensorhub._store import SqliteStore
+    from tensorhub.server.store import SqliteStore
 
     st = ticking(StateConfig(), "t")
     store = SqliteStore(tmp_path)

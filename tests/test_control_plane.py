@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tensorhub import NotFoundError
-from tensorhub._state import CoordinatorState, StateConfig
-from tensorhub._store import SqliteStore
+from tensorhub.server.state import CoordinatorState, StateConfig
+from tensorhub.server.store import SqliteStore
 from tensorhub.protocol import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
 from tensorhub.coordinator import Coordinator
 

@@ -1,4 +1,4 @@
-"""Fleet switch groups (tensorhub/_fleet.py): the two-phase rules on a fake clock, then the
+"""Fleet switch groups (tensorhub/server/fleet.py): the two-phase rules on a fake clock, then the
 routes, status and metrics on a real coordinator. The engines' side (tensorhub follow
 --group with real vLLM engines) is tests/engine/test_vllm_fleet.py."""
 
@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tensorhub._exceptions import ConflictError, NotFoundError
-from tensorhub._fleet import FleetApplied, FleetGroups, FleetJoin, FleetReady, FleetSwitch
+from tensorhub.server.fleet import FleetApplied, FleetGroups, FleetJoin, FleetReady, FleetSwitch
 
 
 class Clock:

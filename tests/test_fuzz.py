@@ -35,7 +35,7 @@ _SETTINGS = dict(deadline=None, database=None, derandomize=False,
 
 @pytest.fixture
 def app(tmp_path):
-    from tensorhub._state import StateConfig
+    from tensorhub.server.state import StateConfig
     from tensorhub.coordinator import Coordinator, create_app
 
     coord = Coordinator(tmp_path / "state", StateConfig(lease_ttl=5.0, worker_ttl=3600.0))

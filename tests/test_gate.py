@@ -1,4 +1,4 @@
-"""The coordinator's gate for the readers' calls (``_asgi._Guard``, ``GATE_SLOTS``):
+"""The coordinator's gate for the readers' calls (``server.asgi._Guard``, ``GATE_SLOTS``):
 a burst of leases, resolves and manifest GETs runs a few at a time, so heartbeats and other
 short calls are answered between them; a slow body, an unread answer or a slow disk holds
 no slot."""
@@ -10,9 +10,9 @@ import asyncio
 import httpx
 import pytest
 
-from tensorhub._coordinator import Coordinator
-from tensorhub._state import StateConfig
-from tensorhub._asgi import GATE_SLOTS, _Gate, _Guard
+from tensorhub.server.core import Coordinator
+from tensorhub.server.state import StateConfig
+from tensorhub.server.asgi import GATE_SLOTS, _Gate, _Guard
 from tensorhub.protocol.routes import gate_rank as _gate_rank
 from tensorhub.coordinator import create_app
 
@@ -287,7 +287,7 @@ def test_a_large_registration_is_parsed_off_the_loop_and_answered_as_the_route_w
     a registration for a version never allocated is the route's 404/409."""
     import json
 
-    from tensorhub._asgi import _LARGE_BODY
+    from tensorhub.server.asgi import _LARGE_BODY
     from tensorhub.coordinator import EmbeddedCoordinator
 
     n = 12_000
@@ -378,12 +378,12 @@ def test_small_registrations_skip_the_route_and_answer_as_it_would(tmp_path):
 
 def test_a_publish_with_subscribers_warms_its_manifest_on_the_parse_thread():
     """``_parse_registration`` makes what binding subscribers computes once per manifest
-    (shape digest, chunk grid: ``_ahead.warm``) only for a model someone subscribed to."""
+    (shape digest, chunk grid: ``server.ahead.warm``) only for a model someone subscribed to."""
     import json
 
-    from tensorhub import _grants
+    from tensorhub.server import grants as _grants
     from tensorhub.protocol import manifest as wire_manifest
-    from tensorhub._asgi import _parse_registration
+    from tensorhub.server.asgi import _parse_registration
 
     body = json.dumps(_big_registration(64)).encode()
     cold = _parse_registration(body, lambda model: False)

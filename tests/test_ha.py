@@ -16,7 +16,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from tensorhub._state import CoordinatorState
+from tensorhub.server.state import CoordinatorState
 from tensorhub.testing import CoordinatorProcess, Worker, digest, make_weights
 from tensorhub.testing._etcd import EtcdCluster, etcd_binary
 
@@ -128,11 +128,11 @@ def _manifest_rows() -> list:
 @pytest.fixture(params=["sqlite", "etcd"])
 def store(request, tmp_path, etcd, prefix):
     if request.param == "sqlite":
-        from tensorhub._store import SqliteStore
+        from tensorhub.server.store import SqliteStore
 
         s = SqliteStore(tmp_path / "state")
     else:
-        from tensorhub._store_etcd import EtcdStore
+        from tensorhub.server.store_etcd import EtcdStore
 
         s = EtcdStore(etcd.store_url + prefix)
     s.open()
@@ -191,7 +191,7 @@ def test_store_contract_retire_drops_a_versions_rows(store):
 
 def test_store_url_errors_are_clear():
     from tensorhub._exceptions import ConfigError
-    from tensorhub._store_etcd import parse_store_url
+    from tensorhub.server.store_etcd import parse_store_url
 
     u = parse_store_url("etcd://a:2379,b:2380/jobs/x")
     assert u.endpoints == (("a", 2379), ("b", 2380)) and u.prefix == "/jobs/x/" and not u.tls
@@ -223,8 +223,8 @@ def test_deposed_leader_cannot_commit_and_counters_never_repeat(etcd, prefix):
     """Fencing through etcd revisions, without trusting the deposed leader's own clock:
     its lease is revoked behind its back, another campaigns and wins; its next commit is
     refused by etcd. Two stores that both think they may allocate never both get a number."""
-    from tensorhub._election import Election
-    from tensorhub._store_etcd import EtcdStore, Fenced
+    from tensorhub.server.election import Election
+    from tensorhub.server.store_etcd import EtcdStore, Fenced
 
     a_store, b_store = EtcdStore(etcd.store_url + prefix), EtcdStore(etcd.store_url + prefix)
     a_store.open(), b_store.open()
@@ -424,8 +424,8 @@ def test_client_several_urls_single_url_and_bad_list(tmp_path, etcd, prefix):
 def test_leader_that_stepped_down_on_its_clock_frees_its_key(etcd, prefix):
     """A leader whose lease lapsed on its own clock while etcd kept it (an etcd leader change
     extends every lease) steps down; it must free its leader key, or nobody campaigns."""
-    from tensorhub._election import Election
-    from tensorhub._store_etcd import EtcdStore
+    from tensorhub.server.election import Election
+    from tensorhub.server.store_etcd import EtcdStore
 
     store = EtcdStore(etcd.store_url + prefix)
     store.open()

@@ -1,4 +1,4 @@
-"""``GET .../manifest`` served from the coordinator's cache (``_manifest_cache``): the
+"""``GET .../manifest`` served from the coordinator's cache (``server.manifest_cache``): the
 cached answer is the uncached one byte for byte, gzipped only for clients that accept it,
 encoded once per shard, and a retired version is refused (404) as before, never served
 from the cache."""
@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tensorhub._manifest_cache import GZIP_OVER, ManifestCache, encode
+from tensorhub.server.manifest_cache import GZIP_OVER, ManifestCache, encode
 from tensorhub.protocol import Manifest, SliceSpec, TensorSpec
 from tensorhub.testing import CoordinatorProcess
 
@@ -128,7 +128,7 @@ def test_lease_answers_equal_the_grants_own_json_byte_for_byte():
     """``LeaseAnswers`` splices each source's addresses, encoded once per replica, into the
     grant's JSON: the bytes equal ``grant.model_dump_json()`` (strings that look like the
     splice point included), and a replica whose address list changed is encoded again."""
-    from tensorhub._manifest_cache import LeaseAnswers
+    from tensorhub.server.manifest_cache import LeaseAnswers
     from tensorhub.protocol import LeaseGrant, Locality, ReplicaInfo
 
     def rep(i: int, n: int, addresses=None) -> ReplicaInfo:
@@ -158,7 +158,7 @@ def test_lease_answers_encode_a_versions_sums_once_and_splice_them_byte_for_byte
     or the same list object with other meta) are encoded anew, never answered stale."""
     import random
 
-    from tensorhub._manifest_cache import SUMS_KEPT, LeaseAnswers, _SUMS_STUB_JSON
+    from tensorhub.server.manifest_cache import SUMS_KEPT, LeaseAnswers, _SUMS_STUB_JSON
     from tensorhub.protocol import LeaseGrant, Locality, ReplicaInfo, VersionMeta, VersionSums
 
     rng = random.Random(7)

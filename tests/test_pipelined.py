@@ -234,7 +234,7 @@ def test_seeder_dies_mid_read_another_reader_takes_over(hubs):
 def test_cross_datacenter_seeders_share_the_slow_links(hubs):
     """The publisher in "a", readers in four datacenters: exactly one copy enters each other
     datacenter, and in parts from more than one datacenter -- each seeder takes its stripe
-    across from "a" and the others from the other seeders (``_stripes``, scope ``WAN``), so
+    across from "a" and the others from the other seeders (``server.stripes``, scope ``WAN``), so
     no single slow link carries the whole version three times. Every byte right, nothing
     incomplete read."""
     pub, pt = hubs("pub", "dc=a,zone=z,host=p", bandwidth=48 * MiB)
@@ -290,7 +290,7 @@ def test_not_pipelined_readers_never_see_partial_replicas(hubs):
     assert not _VIOLATIONS, _VIOLATIONS[:3]
 
 
-# ---------------------------------------------------------------- striped plans (tensorhub/_stripes.py)
+# ---------------------------------------------------------------- striped plans (tensorhub/server/stripes.py)
 def test_striped_plan_publisher_sends_the_version_once(hubs):
     """Six readers of a 64-chunk version: the coordinator's plan sends every stripe from the
     publisher to one reader, who forwards it (chunk by chunk, as its map says); the

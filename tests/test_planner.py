@@ -11,7 +11,7 @@ from tensorhub import ConflictError
 from tensorhub._planner import (
     Candidate, choose_sources, chunk_order, grid_chunk_bytes, locality_cost, pick_chunk, start_fraction,
 )
-from tensorhub._state import CoordinatorState, StateConfig
+from tensorhub.server.state import CoordinatorState, StateConfig
 from tensorhub.protocol import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
 
 MiB = 1 << 20

@@ -5,7 +5,7 @@ Each test is a sequence that gave a wrong answer on b990e80:
 * a reader cut off from the coordinator is expired after ``worker_ttl`` while it still
   trusts its lease for up to 0.98 x ``lease_ttl``: its expiry dropped the lease, so the
   holder's ``unpublish`` answered "drained" at once and the holder overwrote bytes the
-  reader was still reading (invariant 13 in ``tensorhub/_state.py``);
+  reader was still reading (invariant 13 in ``tensorhub/server/state.py``);
 * ``unpublish(replica_ids=[P])`` of a replica that had become a tombstone skipped its fence;
 * retention retired a version whose (sharded) publish was still in progress, and a retried
   allocation by key then answered the retired number (invariant 14);
@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tensorhub import ConflictError
-from tensorhub._state import CoordinatorState, StateConfig
+from tensorhub.server.state import CoordinatorState, StateConfig
 from tensorhub.protocol import AcquireLease, Locality
 
 # The same world as the holder-side scenarios (synthetic clock, the shell's expiry ticks).

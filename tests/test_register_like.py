@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from tensorhub._exceptions import ConflictError, InvalidRequestError
-from tensorhub._grants import grid_of
-from tensorhub._state import CoordinatorState, StateConfig
+from tensorhub.server.grants import grid_of
+from tensorhub.server.state import CoordinatorState, StateConfig
 from tensorhub.protocol import (Locality, Manifest, ManifestLike, RegisterReplica, manifest_digest, manifest_json,
                                 shape_digest)
 from tensorhub.testing import digest, make_weights

@@ -27,7 +27,7 @@ import pytest
 import tensorhub
 from tensorhub import TransferError
 from tensorhub._reader import Source
-from tensorhub._state import CoordinatorState, StateConfig
+from tensorhub.server.state import CoordinatorState, StateConfig
 from tensorhub.protocol import AcquireLease, LeaseGrant, Locality, Manifest, RegisterReplica, TensorSpec, lease_proof
 from tensorhub.testing import InMemoryTransport
 from tensorhub.transport import DONE, PENDING, ReadOp

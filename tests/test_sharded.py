@@ -83,7 +83,7 @@ def test_runs_move_exactly_the_intersection():
 
 def test_state_sends_hf_readers_to_the_slices_until_an_assembled_copy_serves():
     from tensorhub._exceptions import ConflictError
-    from tensorhub._state import CoordinatorState
+    from tensorhub.server.state import CoordinatorState
     from tensorhub.protocol import AcquireLease, Locality, RegisterReplica
 
     st = CoordinatorState()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorhub._stripes import STRIPES, WINDOW
+from tensorhub.server.stripes import STRIPES, WINDOW
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,7 +89,7 @@ def _standalone(S, scale: float, samehost: str = "none", nodes: int = 8, gib: fl
 
 def test_a_slow_coordinator_lets_fewer_readers_into_the_plan_and_the_ratio_gets_worse():
     """A reader joins the plan only if its lease is *served* inside the forming window
-    (``_grants._planned`` / ``Plan.join``); later ones are leaves in every stripe."""
+    (``server.grants._planned`` / ``Plan.join``); later ones are leaves in every stripe."""
     S = _sim()
     fast, bound = _standalone(S, 0.0)  # the old model's free coordinator
     real, _ = _standalone(S, 1.0)
@@ -218,7 +218,7 @@ def test_kimi_scenario_prints_beside_the_published_figures(tmp_path: Path):
 
 @pytest.mark.parametrize("deliver", ["batch", "stream"])
 def test_subscribed_ahead_every_reader_is_a_member_of_a_plan_fixed_at_the_publish(deliver):
-    """Subscribe ahead (tensorhub/_ahead.py, the default of the benchmark): every lease is held
+    """Subscribe ahead (tensorhub/server/ahead.py, the default of the benchmark): every lease is held
     before the publish and bound in the publish's call (COORD_MS['bind'] each, back to back),
     the plan's layout fixed with every reader in it (Plan.fix: none late, no refresh); then
     each grant is made and answered in turn (stream, the code) or every grant first (batch);

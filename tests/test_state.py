@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tensorhub import ConflictError, ManifestMismatchError, NotFoundError, RetentionError
-from tensorhub._state import CoordinatorState, StateConfig, locality_cost
+from tensorhub.server.state import CoordinatorState, StateConfig, locality_cost
 from tensorhub.protocol import AcquireLease, Locality, Manifest, RegisterReplica, TensorSpec
 
 # These tests jump time without the shell's once-a-second expiry ticks; pause grace (its
@@ -77,7 +77,7 @@ def test_latest_only_returns_complete_versions():
 def test_a_delta_layout_alone_never_completes_a_version():
     """``publish(base=)`` registers the delta layout of v before its full layout: the full
     layout (every shard of it) completes v, never the delta (tensorhub._delta_path)."""
-    from tensorhub._views import version_view
+    from tensorhub.server.views import version_view
     from tensorhub.protocol import delta_layout
 
     s = new_state("a", "b")

@@ -55,7 +55,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from _state_harness import LOC, MANIFEST, MODEL, Scope, World, make_config
 from tensorhub import ConflictError
-from tensorhub._state import CoordinatorState
+from tensorhub.server.state import CoordinatorState
 from tensorhub.protocol import AcquireLease, RegisterReplica
 
 EXAMPLES = int(os.environ.get("STATE_MODEL_EXAMPLES", "1000"))

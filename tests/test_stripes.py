@@ -1,4 +1,4 @@
-"""Striped plans (tensorhub/_stripes.py): the layout's shape (every stripe reachable from the
+"""Striped plans (tensorhub/server/stripes.py): the layout's shape (every stripe reachable from the
 root without cycles, the root sends each stripe once, nobody uploads much more than a
 version), the forming window, late joiners, failed parents, and the coordinator's grants
 (CoordinatorState: which readers get a plan, and the sources it names)."""
@@ -9,7 +9,7 @@ import collections
 
 import pytest
 
-from tensorhub._stripes import (
+from tensorhub.server.stripes import (
     EARLY, MIN_CHUNKS, NONE, STRIPES, WAN, WINDOW, Plan, layout, plan_root, relayed, stripe_of, wan_root, wan_stripes,
 )
 
@@ -49,7 +49,7 @@ def test_layout_reaches_everyone_from_the_root_once_per_stripe(n):
 def _layout_by_scan(members, stripes, hosts=None):
     """``layout``'s leaves placed as it places them, by the rule's plain scan (the fewest
     network children, ties the later; a host-mate first): the reference its heap must equal."""
-    from tensorhub._stripes import _interior, _same_host
+    from tensorhub.server.stripes import _interior, _same_host
 
     d = max(1, stripes)
     out = [[-1] * d for _ in range(members)]
@@ -383,7 +383,7 @@ def test_relayed_takes_the_roots_stripes_from_the_origin_plans_first_carriers():
 
 # ---------------------------------------------------------------- the coordinator's grants
 def _state_with_version(nreaders, num_chunks=64, dcs=("a",)):
-    from tensorhub._state import CoordinatorState, StateConfig
+    from tensorhub.server.state import CoordinatorState, StateConfig
     from tensorhub.protocol import Locality, Manifest, RegisterReplica, TensorSpec
 
     st = CoordinatorState(StateConfig(lease_ttl=30.0, worker_ttl=30.0), now=0.0)
@@ -451,7 +451,7 @@ def test_small_shards_and_old_clients_get_no_plan():
 
 
 def test_no_plans_config_turns_them_off():
-    from tensorhub._state import StateConfig
+    from tensorhub.server.state import StateConfig
 
     st, v, man = _state_with_version(3)
     st.config = StateConfig(lease_ttl=30.0, worker_ttl=30.0, plans=False)
@@ -525,7 +525,7 @@ def test_plan_members_leases_do_not_scan_the_shard(monkeypatch):
     the seeder and the parents up by id -- they never walk the shard's replicas or leases,
     whose number grows with the readers (1,024 partial replicas at 1,024 readers). Same
     grants as before: the layout's parents."""
-    from tensorhub._registry import Registry
+    from tensorhub.server.registry import Registry
 
     n = 64
     st, v, man = _state_with_version(n)

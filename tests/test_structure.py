@@ -7,7 +7,9 @@ the one top-level package the wheel installs (the engine adapters are
 adapter (vLLM, SGLang) or framework backend (verl) importing another, or the adapters' core
 importing any (what they share lives in ``tensorhub.integrations._core``), on an adapter
 importing a private tensorhub module, on the project declaring a second top-level package, and
-on any circle of modules importing each other, naming the modules of each circle.
+on the coordinator's inside (``tensorhub.server``) importing the client side or being imported
+by anything but what starts a coordinator, and on any circle of modules importing each other,
+naming the modules of each circle.
 """
 
 from __future__ import annotations
@@ -149,6 +151,31 @@ def test_the_adapters_core_imports_no_adapter():
     bad = sorted((m, t) for m, deps in _graph().items() if m.startswith(f"{ADAPTERS}._core")
                  for t in deps if t.startswith(tuple(f"{ADAPTERS}.{e}" for e in ("vllm", "sglang", "verl"))))
     assert not bad, f"{ADAPTERS}._core imports an engine adapter: {bad}"
+
+
+#: What the coordinator's inside (``tensorhub.server``) may import beside itself: the wire
+#: (``tensorhub.protocol``) and the pure pieces it shares with readers. Never the client side
+#: (``hub``, its reads, its session, the transports).
+SERVER_USES = {"tensorhub", "tensorhub._addresses", "tensorhub._checksum", "tensorhub._exceptions",
+               "tensorhub._kept", "tensorhub._metrics", "tensorhub._planner", "tensorhub._slices"}
+#: Who starts a coordinator: the only modules outside ``tensorhub.server`` that import it.
+SERVER_STARTERS = {"tensorhub.coordinator", "tensorhub.cli"}
+
+
+def _server(module: str) -> bool:
+    return module == "tensorhub.server" or module.startswith("tensorhub.server.")
+
+
+def test_the_coordinator_and_the_client_are_packages_apart():
+    g = _graph()
+    assert "tensorhub.server.state" in g["tensorhub.server.grants"] or \
+        "tensorhub.server.grants" in g["tensorhub.server.state"]  # (the graph sees the package)
+    out = sorted((m, t) for m, deps in g.items() if _server(m) for t in deps
+                 if not _server(t) and t not in SERVER_USES and not t.startswith("tensorhub.protocol"))
+    assert not out, f"the coordinator imports the client side: {out}"
+    into = sorted((m, t) for m, deps in g.items() if not _server(m) and m not in SERVER_STARTERS
+                  for t in deps if _server(t))
+    assert not into, f"only {sorted(SERVER_STARTERS)} import tensorhub.server: {into}"
 
 
 def test_no_import_circle():

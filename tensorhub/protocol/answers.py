@@ -82,7 +82,7 @@ class LeaseGrant(_Model):
     #: None when none was offered or it was refused (``serve_refused`` says why).
     partial_replica_id: Optional[str] = None
     serve_refused: str = ""
-    #: A striped plan (``tensorhub._stripes``): chunk ``c`` is read from the replica
+    #: A striped plan (``tensorhub.server.stripes``): chunk ``c`` is read from the replica
     #: ``stripe_sources[c % stripes]`` ("" = from nobody yet); 0 stripes: no plan.
     stripes: int = 0
     stripe_sources: list[str] = Field(default_factory=list)

@@ -186,7 +186,7 @@ class AcquireLease(_ShardCall):
     #: to same-host holders (``lease_proof``). Sent only to coordinators that said they
     #: answer it (``WorkerRegistered.lease_secrets``).
     lease_secret: bool = False
-    #: Subscribe ahead (``tensorhub._ahead``): a lease on the first complete version >=
+    #: Subscribe ahead (``tensorhub.server.ahead``): a lease on the first complete version >=
     #: ``version``, held (``POST /v1/leases?wait=S``) until one is published; the reader is a
     #: member of its plan from the start. Needs ``request_id`` and ``pipelined``; its ``serve``
     #: offer names the destination by ``shape_digest`` (the version's checksums do not exist
@@ -279,7 +279,7 @@ class SwapReport(_Model):
     ok: bool = True
 
 
-# ---------------------------------------------------------------- fleet switch groups (``tensorhub._fleet``)
+# ---------------------------------------------------------------- fleet switch groups (``tensorhub.server.fleet``)
 #: A fleet group's or member's id (in URL paths: no slash).
 FLEET_ID = r"^[A-Za-z0-9._:@+=-]{1,256}$"
 

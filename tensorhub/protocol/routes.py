@@ -1,6 +1,6 @@
 """The coordinator's routes in one table: method, path, request body, answer model, and the
 rank of the call gate. The application (``tensorhub.coordinator``) registers its routes from
-it, the gate (``tensorhub._asgi``) ranks calls by it, and the client (``tensorhub._client``)
+it, the gate (``tensorhub.server.asgi``) ranks calls by it, and the client (``tensorhub._client``)
 spells its paths and reads its answers with it: a path or an answer is written once.
 """
 

@@ -73,7 +73,7 @@ def run_engine(tmp: Path, target: Callable, tp: int, pp: int, timeout: float = 4
     first and v2 once stage 0 resolved (``<tmp>/resolved``; then ``<tmp>/published``).
     Returns v1, v2, v2's digests and each rank's result (``{"crash": ...}`` if none)."""
     import tensorhub
-    from tensorhub._state import StateConfig
+    from tensorhub.server.state import StateConfig
     from tensorhub.coordinator import EmbeddedCoordinator
 
     with EmbeddedCoordinator(tmp / "state", config=StateConfig()) as coord:

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def coordinator(tmp_path):
     """Start an embedded coordinator (``token``, ``lease_ttl``) and return its URL; stopped afterwards."""
-    from tensorhub._state import StateConfig
+    from tensorhub.server.state import StateConfig
     from tensorhub.coordinator import EmbeddedCoordinator
 
     made = []

@@ -7,7 +7,7 @@ Each coordinator process runs one :class:`Election` (a background thread):
   lists the followers from these keys);
 * **campaign**: when ``{prefix}leader`` is absent, one transaction creates it on the lease
   (``create_revision == 0`` -> put). The winner's key revision is its *fence*: every
-  durable commit compares it (``_store_etcd``), so writes stop the moment the key goes;
+  durable commit compares it (``server.store_etcd``), so writes stop the moment the key goes;
 * **validity on the local monotonic clock**: a leader trusts its leadership only until
   ``sent + ttl * SAFETY``, where ``sent`` is when it sent the last keep-alive that etcd
   answered. etcd expires the lease no earlier than ``sent + ttl`` (it started counting
@@ -32,8 +32,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from ._exceptions import ConfigError
-from ._store_etcd import EtcdEndpoints, EtcdUnavailable, _b64, _put, prefix_end
+from .._exceptions import ConfigError
+from .store_etcd import EtcdEndpoints, EtcdUnavailable, _b64, _put, prefix_end
 
 __all__ = ["Election", "SAFETY"]
 

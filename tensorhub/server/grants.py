@@ -1,12 +1,12 @@
 """The coordinator's lease decisions (``CoordinatorState.acquire_lease`` and its helpers):
 pure, no I/O and no clock, like the rest of the state machine (its invariants are listed in
-``_state``). :class:`Grants` is given what it decides over, explicitly: the catalog, the
+``server.state``). :class:`Grants` is given what it decides over, explicitly: the catalog, the
 registry, the timing knobs, and ``now`` on every call (the state's clamped clock); it owns
 only its own tables (plans, seeders, answered requests).
 
 Two paths (issue 13: the coordinator's work per reader must not grow with the fleet):
 
-* **under a striped plan** (``_stripes``; most pipelined readers of a version at scale):
+* **under a striped plan** (``server.stripes``; most pipelined readers of a version at scale):
   the answer is made from the shard's complete replicas (``Registry.complete_of_shard``),
   the datacenter's seeder and the reader's parents, each looked up by id. Its work does
   not grow with the number of readers: at 1,024 readers of one shard the serving lease and
@@ -23,20 +23,20 @@ import itertools
 import secrets
 from typing import Callable, Iterator, Optional
 
-from . import _addresses
-from ._catalog import Catalog
-from ._checksum import count
-from ._exceptions import ConflictError, InvalidRequestError, NotFoundError
-from ._kept import KeptBy
-from ._planner import (
+from .. import _addresses
+from .catalog import Catalog
+from .._checksum import count
+from .._exceptions import ConflictError, InvalidRequestError, NotFoundError
+from .._kept import KeptBy
+from .._planner import (
     COST_DC, LEVELS, Candidate, Choice, choose_sources, chunk_order, claims, grid_chunk_bytes, group_key, locality_cost,
     reserve_chunks, start_fraction, start_reverse,
 )
-from ._registry import Lease, Registry, Replica, ShardKey, Worker
-from ._state_config import StateConfig
-from ._slices import SLICED
-from ._stripes import HOSTS_IN_PLANS, MIN_CHUNKS, NONE, STRIPES, WAN, Plan, plan_root, relayed, wan_root, wan_stripes
-from .protocol import AcquireLease, LeaseGrant, Manifest, RegisterReplica, ReplicaInfo
+from .registry import Lease, Registry, Replica, ShardKey, Worker
+from .state_config import StateConfig
+from .._slices import SLICED
+from .stripes import HOSTS_IN_PLANS, MIN_CHUNKS, NONE, STRIPES, WAN, Plan, plan_root, relayed, wan_root, wan_stripes
+from ..protocol import AcquireLease, LeaseGrant, Manifest, RegisterReplica, ReplicaInfo
 
 __all__ = ["Grants", "KEPT", "grid_of", "keep_grid"]
 
@@ -55,7 +55,7 @@ def grid_of(man: Manifest) -> tuple[int, int]:
     ``_checksum.count``: pieces per chunk are capped too, so not simply size / chunk bytes):
     sums over every tensor (~20 ms for 50,000), made once per manifest and kept by identity,
     so the registration's parse thread can make them before the state call
-    (``_ahead.warm``)."""
+    (``server.ahead.warm``)."""
     def make() -> tuple[int, int]:
         sizes = [t.nbytes for t in man.tensors]
         return grid_chunk_bytes(sum(sizes)), count(sizes)
@@ -90,7 +90,7 @@ class Grants:
         self.lease_requests: dict[tuple[str, str], tuple[str, LeaseGrant]] = {}
         #: shard key -> leases granted on it so far (:meth:`_arrival`).
         self._arrivals: dict[ShardKey, int] = {}
-        #: Striped plans (``_stripes``): (shard key, datacenter or ``WAN``, root) -> plan, and
+        #: Striped plans (``server.stripes``): (shard key, datacenter or ``WAN``, root) -> plan, and
         #: (shard key, worker) -> the plan it is a member of.
         self.plans: dict[tuple, Plan] = {}
         self.plan_of: dict[tuple, tuple] = {}
@@ -308,7 +308,7 @@ class Grants:
         return serving
 
     def join_ahead(self, now: float, req: AcquireLease) -> Optional[tuple]:
-        """A subscriber bound to its version (``_ahead.bind``): register its serve offer and
+        """A subscriber bound to its version (``server.ahead.bind``): register its serve offer and
         put it into its datacenter's plan before any grant is made, so the plan's layout is
         fixed with every subscriber in it. Returns the plan's key, or None (no such plan:
         its grant is made the usual way)."""
@@ -379,9 +379,9 @@ class Grants:
 
     def _plan(self, now: float, req: AcquireLease, key: ShardKey, reader: Worker, refresh: Optional[Lease],
               seeders: dict, serving: Callable[[str], Optional[tuple]]) -> Optional[tuple[Plan, tuple]]:
-        """The striped plan (``_stripes``) this reader reads by, and its key; None: the
+        """The striped plan (``server.stripes``) this reader reads by, and its key; None: the
         usual choice. A new serving pipelined lease joins one where one source is scarce
-        (``_stripes.plan_root``; across datacenters ``wan_root``); a refresh keeps the plan
+        (``server.stripes.plan_root``; across datacenters ``wan_root``); a refresh keeps the plan
         of its first grant. ``serving(rid)``: the replica and its worker if it may be used."""
         if refresh is not None or (key, req.worker_id) in self.joined:
             # (a subscriber bound ahead joined its plan in the publisher's call, ``join_ahead``:

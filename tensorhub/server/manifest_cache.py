@@ -14,7 +14,7 @@ catalog reloaded from the store holds new objects, which are encoded again). Ent
 of retired versions are dropped when the retirement is applied (``forget``), and the
 whole cache is bounded by bytes (least recently used first).
 
-Lives in the coordinator process (``_coordinator.Coordinator.manifests``); thread-safe:
+Lives in the coordinator process (``server.core.Coordinator.manifests``); thread-safe:
 the HTTP routes call it from the event loop and build entries on a worker thread.
 """
 
@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-from .protocol import Manifest, VersionSums, manifest_json
+from ..protocol import Manifest, VersionSums, manifest_json
 
 __all__ = ["ManifestCache", "Encoded", "LeaseAnswers", "CACHE_BYTES", "GZIP_OVER", "ADDRESSES_BYTES"]
 

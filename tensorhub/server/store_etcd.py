@@ -1,9 +1,9 @@
 """Durable store of highly available coordinators: etcd v3 (``--store etcd://h1:2379,h2:2379``).
 
-Same interface as :class:`~tensorhub._store.SqliteStore` (``open/close/load/commit``) and
+Same interface as :class:`~tensorhub.server.store.SqliteStore` (``open/close/load/commit``) and
 the same rows, kept under a key prefix (default ``/tensorhub/``)::
 
-    {prefix}leader                      the elected coordinator (``_election``), on its lease
+    {prefix}leader                      the elected coordinator (``server.election``), on its lease
     {prefix}members/{id}                every running coordinator's URL, on its lease
     {prefix}d/{table}/{json key}        one durable row (value: JSON)
 
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 from urllib.parse import urlsplit
 
-from ._exceptions import ConfigError, TensorHubError
-from ._catalog import Write
-from .protocol import Manifest, manifest_json
+from .._exceptions import ConfigError, TensorHubError
+from .catalog import Write
+from ..protocol import Manifest, manifest_json
 
 __all__ = ["EtcdStore", "EtcdEndpoints", "EtcdUnavailable", "Fenced", "parse_store_url"]
 
@@ -178,7 +178,7 @@ def _delete(key: str) -> dict:
 class EtcdStore:
     """Durable rows in etcd. The coordinator process opens one and uses it under its lock.
 
-    ``fence()`` gives the compare that proves leadership (``_election.Election.fence``);
+    ``fence()`` gives the compare that proves leadership (``server.election.Election.fence``);
     without one (a single coordinator on etcd, the contract tests) commits are
     conditioned on the counters only."""
 

@@ -14,12 +14,12 @@ publisher's replica registers), :func:`bind` runs in the same state call:
    within its ``wait`` + :data:`GRACE`), are dropped;
 2. every other subscriber's offer is registered (its partial replica) and it joins the
    plan of its datacenter in arrival order (``Grants.join_ahead``); then each plan's layout
-   is fixed at once (``_stripes.Plan.fix``), with every subscriber in it: no forming
+   is fixed at once (``server.stripes.Plan.fix``), with every subscriber in it: no forming
    window, no refresh to learn the fixed layout, nobody late;
 3. once the version is durable, the HTTP shell makes each subscriber's grant in plan order
    (:func:`grant`: ``Grants.acquire_lease``, the usual answer from the fixed layout),
    encodes it and answers that held request at once, before the next grant is made
-   (``_coordinator.Subscribers.stream``): the root's first children read while the last
+   (``server.core.Subscribers.stream``): the root's first children read while the last
    subscribers' grants are still being made.
 
 A subscriber whose offer does not fit the version (its tensors differ: ``shape_digest``)
@@ -33,7 +33,7 @@ A subscriber whose offer fits is answered the version's checksums and meta with 
 reads none. A reader's calls per version: this lease and the release that registers its
 complete replica.
 
-Pure, like ``_state``: no I/O, no clock of its own; ``st`` is the ``CoordinatorState`` that
+Pure, like ``server.state``: no I/O, no clock of its own; ``st`` is the ``CoordinatorState`` that
 calls in (passed, not imported: it imports this module).
 """
 
@@ -42,10 +42,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from ._exceptions import ConflictError, CoordinatorError, InvalidRequestError, NotFoundError
-from ._registry import ShardKey
-from ._grants import grid_of
-from .protocol import AcquireLease, LeaseGrant, Manifest, VersionSums, shape_digest
+from .._exceptions import ConflictError, CoordinatorError, InvalidRequestError, NotFoundError
+from .registry import ShardKey
+from .grants import grid_of
+from ..protocol import AcquireLease, LeaseGrant, Manifest, VersionSums, shape_digest
 
 __all__ = ["GRACE", "MAX_PENDING", "Bound", "Sub", "Subscriptions", "subscribe", "bind", "grant", "warm"]
 

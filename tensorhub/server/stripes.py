@@ -81,7 +81,7 @@ root. Which chunks a parent holds the reader still learns from the parent's chun
 so the plan decides *where from*, never *whether*: nobody reads a chunk that is not
 complete on its source (``_pipeline``'s invariant stands unchanged).
 
-Pure: no I/O and no clock of its own; the coordinator (``_state``) and the simulation
+Pure: no I/O and no clock of its own; the coordinator (``server.state``) and the simulation
 (``benchmarks/simulate.py``) call the same code.
 """
 
@@ -302,7 +302,7 @@ class Plan:
             heapq.heappop(h)
 
     def fix(self) -> None:
-        """Fix the layout now (subscribers bound at the publish, ``_ahead``: every member
+        """Fix the layout now (subscribers bound at the publish, ``server.ahead``: every member
         is known, so nobody waits for the window)."""
         self._fix()
 

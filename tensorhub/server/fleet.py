@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ._exceptions import ConflictError, NotFoundError
-from .protocol import FLEET_ID, FleetApplied, FleetJoin, FleetReady, FleetSwitch
+from .._exceptions import ConflictError, NotFoundError
+from ..protocol import FLEET_ID, FleetApplied, FleetJoin, FleetReady, FleetSwitch
 
 __all__ = ["FleetGroups", "FleetJoin", "FleetReady", "FleetApplied", "FleetSwitch", "add_routes",
            "MEMBER_TTL", "APPLY_TIMEOUT"]

@@ -2,10 +2,10 @@
 manifests and the allocation answers kept for retries.
 
 Pure (no I/O, no clock of its own). Every change is queued as a *write* (table, key,
-value); the shell commits them to its store (``_store.py``) before it answers, and
+value); the shell commits them to its store (``server.store.py``) before it answers, and
 ``Catalog.restore(rows)`` rebuilds the catalog from those rows after a restart. Nothing
-here knows about workers, replicas or leases: that soft state is ``_registry``'s, and
-the decisions that need both are ``_state``'s.
+here knows about workers, replicas or leases: that soft state is ``server.registry``'s, and
+the decisions that need both are ``server.state``'s.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from ._exceptions import ConflictError, ManifestMismatchError, NotFoundError
-from ._slices import check_register
-from .protocol import Manifest, RegisterReplica, first_difference, is_delta_layout
+from .._exceptions import ConflictError, ManifestMismatchError, NotFoundError
+from .._slices import check_register
+from ..protocol import Manifest, RegisterReplica, first_difference, is_delta_layout
 
 __all__ = ["Catalog", "ModelInfo", "VersionInfo", "LayoutInfo", "Write", "ALLOCATIONS_KEPT"]
 
-#: A durable change: (table, key tuple, value). See ``_store.py``.
+#: A durable change: (table, key tuple, value). See ``server.store.py``.
 Write = tuple
 
 #: Allocation answers kept per model for retries (``allocate``'s ``request_id``).

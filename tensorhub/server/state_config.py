@@ -1,5 +1,5 @@
 """The coordinator state's timing knobs and policies (:class:`StateConfig`), read by the
-state (``_state``) and its lease decisions (``_grants``)."""
+state (``server.state``) and its lease decisions (``server.grants``)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class StateConfig:
     #: SIGSTOP, or starved) gives every worker a fresh ``worker_ttl`` instead of expiring
     #: them all at once. None: ``worker_ttl / 2`` (the shell ticks every second or faster).
     pause_grace: Optional[float] = None
-    #: Striped plans for pipelined readers where one source is scarce (``_stripes``);
+    #: Striped plans for pipelined readers where one source is scarce (``server.stripes``);
     #: False: the readers choose chunks among their sources by their chunk maps alone.
     plans: bool = True
     #: An allocated version that is not complete is a publish in progress (its ranks may not

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import _addresses
-from ._catalog import Catalog
-from ._exceptions import ConflictError, InvalidRequestError, ManifestMismatchError, NotFoundError
-from ._grants import KEPT, grid_of, keep_grid
-from .protocol import Manifest, RegisterReplica, keep_like, manifest_digest, shape_digest
+from .. import _addresses
+from .catalog import Catalog
+from .._exceptions import ConflictError, InvalidRequestError, ManifestMismatchError, NotFoundError
+from .grants import KEPT, grid_of, keep_grid
+from ..protocol import Manifest, RegisterReplica, keep_like, manifest_digest, shape_digest
 
 __all__ = ["ManifestRefs", "DIGESTS_KEPT"]
 
 #: Manifest digests kept (computed once per shard of a version; ~100 ms for 50,000 tensors):
-#: as many shards as the other per-shard memos (``_grants.KEPT``).
+#: as many shards as the other per-shard memos (``server.grants.KEPT``).
 DIGESTS_KEPT = KEPT
 
 

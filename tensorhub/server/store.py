@@ -14,8 +14,8 @@ import sqlite3
 from pathlib import Path
 from typing import Iterable
 
-from ._catalog import Write
-from .protocol import Manifest, manifest_json
+from .catalog import Write
+from ..protocol import Manifest, manifest_json
 
 __all__ = ["SqliteStore"]
 

@@ -5,11 +5,11 @@ coordinator passes ``time.monotonic()``) and either returns its decision or rais
 :class:`CoordinatorError` subclass (the HTTP shell picks the status it answers with).
 The state is two parts and the decisions over both:
 
-- the durable **catalog** (``_catalog``: models, version counters, versions, layouts,
+- the durable **catalog** (``server.catalog``: models, version counters, versions, layouts,
   manifests). Its changes are queued as *writes*; the shell commits them
   (``take_writes()``) to its store before it answers, so nothing a client was told is
   lost by a restart; ``CoordinatorState.restore(rows)`` rebuilds it after one;
-- the soft **registry** (``_registry``: workers, replicas, leases, tombstones, indexed
+- the soft **registry** (``server.registry``: workers, replicas, leases, tombstones, indexed
   by shard key, worker and replica). It starts empty after a restart and is
   re-registered by the clients.
 
@@ -65,16 +65,17 @@ import itertools
 import secrets
 from typing import Iterable, Optional
 
-from . import _addresses, _ahead
-from ._catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
-from ._exceptions import ConflictError, NotFoundError, RetentionError
-from ._grants import Grants
-from ._manifest_refs import ManifestRefs
-from ._planner import locality_cost
-from ._registry import Lease, Registry, Replica, ShardKey, Worker
-from ._state_config import StateConfig
-from ._views import FETCH_STALE, metrics_view, record_fetch, status_view
-from .protocol import (AcquireLease, FetchReport, LeaseGrant, Locality, Manifest, RegisterReplica, SwapReport,
+from .. import _addresses
+from . import ahead as _ahead
+from .catalog import ALLOCATIONS_KEPT, Catalog, LayoutInfo, ModelInfo, VersionInfo, Write
+from .._exceptions import ConflictError, NotFoundError, RetentionError
+from .grants import Grants
+from .manifest_refs import ManifestRefs
+from .._planner import locality_cost
+from .registry import Lease, Registry, Replica, ShardKey, Worker
+from .state_config import StateConfig
+from .views import FETCH_STALE, metrics_view, record_fetch, status_view
+from ..protocol import (AcquireLease, FetchReport, LeaseGrant, Locality, Manifest, RegisterReplica, SwapReport,
                        is_delta_layout, lease_proof)
 
 __all__ = ["StateConfig", "CoordinatorState", "Write", "ShardKey"]
@@ -113,7 +114,7 @@ class CoordinatorState:
         #: The lease decisions, and their plans, seeders and answered requests.
         self.grants = Grants(self.catalog, self.registry, config, new_id=self._new_id, offer=self.register_replica,
                              restored_at=now if restored else None)
-        #: Leases asked ahead, held until their version completes (``_ahead``).
+        #: Leases asked ahead, held until their version completes (``server.ahead``).
         self.ahead = _ahead.Subscriptions()
         #: (model, version) -> when this incarnation allocated it, while it is not complete
         #: (retention's ``abandon_after``; soft: a restored version counts from the boot).
@@ -388,16 +389,16 @@ class CoordinatorState:
 
     # ----------------------------------------------------------------- subscribing ahead
     def subscribe(self, now: float, req: AcquireLease, wait: float) -> Optional[LeaseGrant]:
-        """A lease asked ahead (``_ahead.subscribe``): a grant now, or None (held)."""
+        """A lease asked ahead (``server.ahead.subscribe``): a grant now, or None (held)."""
         return _ahead.subscribe(self, self._now(now), req, wait)
 
     def bind_ahead(self, now: float, models: set) -> list:
         """Bind the subscriptions that versions of ``models`` just completed satisfy
-        (``_ahead.bind``); their grants are made by :meth:`grant_ahead`."""
+        (``server.ahead.bind``); their grants are made by :meth:`grant_ahead`."""
         return _ahead.bind(self, self._now(now), models) if self.ahead else []
 
     def grant_ahead(self, now: float, at: AcquireLease, refused: str) -> LeaseGrant:
-        """One bound subscriber's grant (``_ahead.grant``)."""
+        """One bound subscriber's grant (``server.ahead.grant``)."""
         return _ahead.grant(self, self._now(now), at, refused)
 
     def add_chunks(self, now: float, replica_id: str, worker_id: str, chunks: Iterable[int],
@@ -545,7 +546,7 @@ class CoordinatorState:
 
     # ----------------------------------------------------------------- observability
     def record_fetch(self, now: float, req: FetchReport) -> dict[str, int]:
-        """A reader reports a fetch (``_views.record_fetch``); only models this coordinator
+        """A reader reports a fetch (``server.views.record_fetch``); only models this coordinator
         knows are accepted, which bounds the label sets of ``/metrics``."""
         now = self._now(now)
         self.catalog.model(req.model)
@@ -557,9 +558,9 @@ class CoordinatorState:
 
     # ----------------------------------------------------------------- views
     def metrics_view(self, now: float) -> dict:
-        """What ``/metrics`` shows of the state (``_views.metrics_view``)."""
+        """What ``/metrics`` shows of the state (``server.views.metrics_view``)."""
         return metrics_view(self, now)
 
     def status(self, now: float) -> dict:
-        """Everything ``tensorhub status`` shows (``_views.status_view``)."""
+        """Everything ``tensorhub status`` shows (``server.views.status_view``)."""
         return status_view(self, now)

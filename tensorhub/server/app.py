@@ -1,8 +1,8 @@
 """The coordinator's routes: the FastAPI application around a :class:`Coordinator`
-(``tensorhub._coordinator``), one handler per route of the table
+(``tensorhub.server.core``), one handler per route of the table
 (``tensorhub.protocol.routes.ROUTES``), each answering its model. The HTTP shell below them
 (the leader gate, the call gate, the token and body guard, the fast paths for heartbeats,
-leases and registrations) is ``tensorhub._asgi``; starting a server is
+leases and registrations) is ``tensorhub.server.asgi``; starting a server is
 ``tensorhub.coordinator``."""
 
 from __future__ import annotations
@@ -16,21 +16,21 @@ from fastapi import Body, FastAPI, Path as PathParam, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from ._asgi import (
+from .asgi import (
     GATE_SLOTS, _accepts_gzip, _FastHeartbeat, _Guard, _heartbeat_answer, _LeaderGate, _lease, _Leases,
     _not_leader, _record_all, _register, _Registration, error_response, record_fetch,
 )
-from ._coordinator import NOT_LEADER, Coordinator
-from ._exceptions import CoordinatorError
-from ._fleet import add_routes as add_fleet_routes
-from ._views import version_view
-from .protocol import (Heartbeat, MAX_BODY_BYTES, MAX_NAME_LEN, MAX_SHARDS, MAX_VERSION, AcquireLease,
+from .core import NOT_LEADER, Coordinator
+from .._exceptions import CoordinatorError
+from .fleet import add_routes as add_fleet_routes
+from .views import version_view
+from ..protocol import (Heartbeat, MAX_BODY_BYTES, MAX_NAME_LEN, MAX_SHARDS, MAX_VERSION, AcquireLease,
                        AllocateVersion, FetchReport, LeaseCovers, RegisterReplica, RegisterWorker, Report,
                        ReportChunks, Resolve, SwapReport, Unpublish)
-from .protocol.answers import (ChunksHeld, Done, Health, HeartbeatAnswer, Info, ModelEntry, ModelList, Released,
+from ..protocol.answers import (ChunksHeld, Done, Health, HeartbeatAnswer, Info, ModelEntry, ModelList, Released,
                                Renewed, ReplicaRegistered, Unpublished, VersionAnswer, VersionView, WorkerRegistered,
                                WorkerRemoved)
-from .protocol.routes import ROUTES
+from ..protocol.routes import ROUTES
 
 __all__ = ["create_app"]
 
@@ -232,7 +232,7 @@ def create_app(coord: Coordinator, token: Optional[str] = None, call_slots: Opti
 
     @_on(app, "acquire_lease")
     async def acquire(req: AcquireLease, wait: float = Query(default=0.0, ge=0.0, le=60.0)) -> Response:
-        """A read lease. Asked ahead (``req.ahead``, ``tensorhub._ahead``): held up to ``wait``
+        """A read lease. Asked ahead (``req.ahead``, ``tensorhub.server.ahead``): held up to ``wait``
         seconds until a complete version >= ``req.version`` exists; ``{"pending": true}``
         if none came (ask again with the same ``request_id``: the place is kept).
         (``_Leases`` answers it without FastAPI's routing; this route keeps it in the

@@ -6,7 +6,7 @@ restart. Every lookup the decisions make is by an index (shard key, worker, repl
 so the work of one request does not grow with the fleet or with history: a lease
 decision touches the replicas and leases of its own shard only.
 
-This module keeps the indexes right and decides nothing; ``_state`` decides.
+This module keeps the indexes right and decides nothing; ``server.state`` decides.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, NamedTuple, Optional
 
-from .protocol import AddressRuns, Locality
+from ..protocol import AddressRuns, Locality
 
 __all__ = ["ShardKey", "Worker", "Replica", "Lease", "Registry"]
 
@@ -54,7 +54,7 @@ class Replica:
     draining: bool = False
     suspect_until: float = 0.0
     served: int = 0  # leases granted on it
-    #: Its worker was dropped while leases named it (``_state`` invariant 8): fenced, never offered.
+    #: Its worker was dropped while leases named it (``server.state`` invariant 8): fenced, never offered.
     tombstone: bool = False
     #: Pipelined replication: chunks reported complete while still receiving; None = complete.
     chunks: Optional[set[int]] = None

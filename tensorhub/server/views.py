@@ -1,8 +1,8 @@
 """What the coordinator observes and shows: fetch reports, ``/metrics`` and
 ``tensorhub status``.
 
-Read-only over a :class:`~tensorhub._state.CoordinatorState` (``st``; no decision depends
-on these; ``_state`` calls them, so they do not import it); the shell calls them under its
+Read-only over a :class:`~tensorhub.server.state.CoordinatorState` (``st``; no decision depends
+on these; ``server.state`` calls them, so they do not import it); the shell calls them under its
 lock.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ._planner import locality_cost
-from .protocol.answers import LayoutView, ReplicaView, VersionView
+from .._planner import locality_cost
+from ..protocol.answers import LayoutView, ReplicaView, VersionView
 
 __all__ = ["metrics_view", "status_view", "version_view", "record_fetch", "FETCH_STALE", "DISTANCES"]
 
@@ -165,7 +165,7 @@ def status_view(st: Any, now: float) -> dict:
              "reported_ago": round(now - at, 3)}
             for f, at in st.fetching.values() if now <= at + FETCH_STALE
         ],
-        # Leases asked ahead, held until their version is published (``_ahead``).
+        # Leases asked ahead, held until their version is published (``server.ahead``).
         "subscribers": [
             {"worker_id": wid, "model": model, "layout": layout, "shard": shard, "version": sub.req.version,
              "since": round(now - sub.since, 3)}

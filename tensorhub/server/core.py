@@ -17,13 +17,13 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ._catalog import Catalog
-from ._exceptions import CoordinatorError
-from ._fleet import FleetGroups
-from ._manifest_cache import LeaseAnswers, ManifestCache
-from ._metrics import CoordinatorMetrics
-from ._state import CoordinatorState, StateConfig
-from ._store import SqliteStore
+from .catalog import Catalog
+from .._exceptions import CoordinatorError
+from .fleet import FleetGroups
+from .manifest_cache import LeaseAnswers, ManifestCache
+from .._metrics import CoordinatorMetrics
+from .state import CoordinatorState, StateConfig
+from .store import SqliteStore
 
 __all__ = ["Coordinator", "NOT_LEADER", "ha_coordinator"]
 
@@ -35,7 +35,7 @@ NOT_LEADER = "not_leader"
 
 
 #: Called (if set, in the caller's context) before a call waits for the disk: the HTTP
-#: shell's gate (``_asgi._Guard``) lets go of the caller's slot there, so a slow
+#: shell's gate (``server.asgi._Guard``) lets go of the caller's slot there, so a slow
 #: disk holds no slot and group commits still batch every caller waiting.
 before_disk_wait: contextvars.ContextVar[Optional[Callable[[], None]]] = contextvars.ContextVar(
     "tensorhub_before_disk_wait", default=None)
@@ -84,10 +84,10 @@ class _Watch:
 
 
 class Subscribers:
-    """Held ``POST /v1/leases?wait=`` requests asked ahead (``_ahead``), by (worker id,
+    """Held ``POST /v1/leases?wait=`` requests asked ahead (``server.ahead``), by (worker id,
     request id). ``stream`` gets the subscribers a completed version bound (in plan order)
     once that version is durable, and makes, encodes and answers their grants one by one on
-    the event loop, each answer sent before the next grant is made (``_ahead``)."""
+    the event loop, each answer sent before the next grant is made (``server.ahead``)."""
 
     def __init__(self) -> None:
         #: (worker id, request id) -> (its future, when the request arrived: ``time.monotonic()``)
@@ -166,7 +166,7 @@ class Subscribers:
 class Coordinator:
     """State machine + durable store + lock + clock: what the HTTP routes call.
 
-    With an ``election`` (highly available coordinators on etcd, ``_election``) the state
+    With an ``election`` (highly available coordinators on etcd, ``server.election``) the state
     is built when this process is elected (from the store, as after a restart: a new
     epoch) and every call first checks that it still leads; a commit etcd refuses makes
     it step down, and the request is answered ``not_leader``, never as if it were durable."""
@@ -182,7 +182,7 @@ class Coordinator:
         self.watch = _Watch()
         #: Leases asked ahead, woken with their answers when their version completes.
         self.subscribers = Subscribers()
-        #: ``GET .../manifest`` answers, encoded once per shard (``_manifest_cache``); a
+        #: ``GET .../manifest`` answers, encoded once per shard (``server.manifest_cache``); a
         #: retired version's entries are dropped when its retirement is applied.
         self.manifests = ManifestCache()
         #: ``POST /v1/leases`` answers: each source replica's addresses encoded once.
@@ -203,7 +203,7 @@ class Coordinator:
         self.state = CoordinatorState.restore(self.store.load() if election is None else [], config, now=clock())
         self.metrics = CoordinatorMetrics(lambda: self.read(lambda: self.state.metrics_view(self.clock()),
                                                             check=False, soft=True), start_time=time.time())
-        #: Fleet switch groups (``_fleet``): soft state of the coordinator that leads.
+        #: Fleet switch groups (``server.fleet``): soft state of the coordinator that leads.
         self.fleets = FleetGroups()
         self.metrics.registry.register(self.fleets.collector())
         if election is not None:
@@ -415,8 +415,8 @@ def ha_coordinator(store_url: str, advertise_url: str, config: StateConfig = Sta
                    etcd_cert_file: Optional[str] = None, etcd_key_file: Optional[str] = None) -> Coordinator:
     """A coordinator on etcd (``--store etcd://...``) that leads only when elected.
     Raises ``ConfigError`` for a malformed URL, ``EtcdUnavailable`` when no member answers."""
-    from ._election import Election
-    from ._store_etcd import EtcdStore
+    from .election import Election
+    from .store_etcd import EtcdStore
 
     tls = dict(ca_file=etcd_ca_file, cert_file=etcd_cert_file, key_file=etcd_key_file)
     store = EtcdStore(store_url, **tls)

@@ -19,14 +19,14 @@ from typing import Any, Callable, Optional
 
 from fastapi.responses import JSONResponse
 
-from ._exceptions import (
+from .._exceptions import (
     ConflictError, CoordinatorError, InvalidRequestError, NotFoundError, UnauthorizedError,
 )
-from ._ahead import warm
-from ._coordinator import NOT_LEADER, Coordinator, before_disk_wait
-from .protocol import Heartbeat, MAX_BODY_BYTES, AcquireLease, FetchReport, RegisterReplica, manifest_json
-from .protocol.answers import HeartbeatAnswer, ReplicaRegistered
-from .protocol.routes import ROUTES, gate_rank
+from .ahead import warm
+from .core import NOT_LEADER, Coordinator, before_disk_wait
+from ..protocol import Heartbeat, MAX_BODY_BYTES, AcquireLease, FetchReport, RegisterReplica, manifest_json
+from ..protocol.answers import HeartbeatAnswer, ReplicaRegistered
+from ..protocol.routes import ROUTES, gate_rank
 
 
 logger = logging.getLogger("tensorhub.coordinator")  # (its records as before the split)
@@ -282,7 +282,7 @@ async def _lease(coord: Coordinator, req: AcquireLease, wait: float) -> bytes:
 class _Leases:
     """``POST /v1/leases`` without FastAPI's routing and validation: every reader asks one
     per version (a subscriber's is held until the version is published, then answered in
-    plan order, ``_ahead``), so its fixed cost, paid on the event loop, is paid once per
+    plan order, ``server.ahead``), so its fixed cost, paid on the event loop, is paid once per
     reader-version; at 1,024 subscribers the answers go out one after another. The body is
     parsed with the request model, ``wait`` read from the query; the answer is the route's
     (``_lease``), sent as two ASGI messages. A body or query this path cannot parse goes to
@@ -349,7 +349,7 @@ def _parse_registration(body: bytes, subscribed: Callable[[str], bool] = lambda 
     """A large registration parsed and validated, and its manifest's canonical JSON made
     (kept for its digest and the store's commit), off the event loop; for a model with
     readers subscribed ahead (``subscribed(model)``), what binding them computes once per
-    manifest too (``_ahead.warm``)."""
+    manifest too (``server.ahead.warm``)."""
     req = RegisterReplica.model_validate_json(body)
     if req.manifest is not None:
         manifest_json(req.manifest)
