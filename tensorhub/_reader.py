@@ -10,7 +10,8 @@ its chunk goes back to the queue for another source. A batch that makes no progr
 within its deadline marks its source hung; its chunk is re-read only after the transport
 says that batch reached a terminal state, because until then the engine may still write
 into that destination (Mooncake's ``MC_TCP_PROGRESS_TIMEOUT_SEC`` bounds the wait).
-When no source is left, ``get_sources`` is asked for more (a new lease).
+When no source is left, ``get_sources`` is asked for more (a new lease). A failed source is
+excluded for the coordinator's ``suspect_ttl``, then let back in (:class:`Excluded`).
 
 Checksums (``_checksum``): with a :class:`~tensorhub._checksum.Verifier` the shard is cut on
 its chunk grid, and a chunk the transport says is DONE is hashed in local memory before it
@@ -144,7 +145,7 @@ class Excluded(set):
 
 
 def forgive(excluded: set[str]) -> None:
-    """Before asking for sources again: let back in the hung ones whose time is up."""
+    """Before asking for sources again: let back in the failed ones whose time is up."""
     if isinstance(excluded, Excluded):
         excluded.forgive()
 
@@ -157,8 +158,8 @@ class ShardReader:
                  min_rate: float = 10e6, poll_interval: float = 0.002,
                  checksums: Optional[Verifier] = None, forgive_after: float = 30.0) -> None:
         """``checksums``: verify each chunk before accepting it; its chunks (the shard's
-        grid) then replace the cut by ``chunk_bytes``. ``forgive_after``: a source failed as
-        hung may be read again this many seconds later (:class:`Excluded`)."""
+        grid) then replace the cut by ``chunk_bytes``. ``forgive_after``: a source that failed
+        a read may be read again this many seconds later (:class:`Excluded`)."""
         if not 0 < chunk_bytes <= MAX_ENTRY_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {MAX_ENTRY_BYTES}]")
         self.t = transport

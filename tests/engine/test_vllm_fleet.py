@@ -84,7 +84,13 @@ def test_a_group_switches_together_and_a_late_engine_leaves_then_catches_up(tmp_
                 return {}
             return {m["engine"]: (m["version"], m["in_group"], m["why_out"]) for m in view["members"]}
 
-        _wait(lambda: len(members()) == 2, 60, "both follow processes joined the group")
+        def followers() -> str:
+            """What a follow process that already ended said (a running one is left alone)."""
+            return "\n".join(f"follow {i}: exit {f.returncode}: {f.communicate()[1][-3000:]}"
+                             for i, f in enumerate(follows) if f.poll() is not None) or "both still running"
+
+        # (each follow process imports torch first: on a loaded 2-core machine that takes a while)
+        _wait(lambda: len(members()) == 2, 180, "both follow processes joined the group", followers)
         assert members() == {a.url: (v1, True, ""), b.url: (v1, True, "")}
 
         # step boundary 1: both prefetch v2, then both apply; when fleet_switch returns both serve v2
