@@ -340,7 +340,6 @@ class ShardReader:
             now = time.monotonic()
             if now > deadline:
                 raise self._deadline_error(need, inflight, sources)
-            failed.forgive()
             self._fill(need, sources, failed, get_sources)
             busy = {s.replica_id: 0 for s in sources}
             for f in inflight.values():

@@ -73,8 +73,8 @@ def acquire_lease(session: Session, model: str, version: int, layout: str, shard
                 "request_id": secrets.token_hex(12),  # a retried request gets the same lease
                 "manifest": False,  # read once by version (Session.manifest), not with every lease
             }
-            if slices and layout == "hf" and shard == 0:
-                body["slices"] = True
+            if slices:
+                body["slices"] = True  # (the coordinator answers it for hf shard 0 only)
             grant = session.lease(body)
             if grant.version != version:
                 raise FetchError(f"asked for {model!r} v{version} but the lease is for v{grant.version}")
@@ -214,8 +214,7 @@ class PipelinedSources(PlainSources):
                                     "layout": f.layout, "shard": f.shard, "max_sources": f.opts.max_sources,
                                     "exclude": sorted(excluded)[:1024], "pipelined": True, "lease_id": self.cur,
                                     "manifest": False}
-            if ahead is None and f.layout == "hf" and f.shard == 0:
-                body["slices"] = True  # a version published as slices: the answer says so
+            body["slices"] = True  # a version published as slices: the answer says so
             if self.cur is None:
                 body["request_id"] = rid  # a retried request gets the same lease
                 if offer is not None:

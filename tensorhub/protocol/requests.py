@@ -195,7 +195,7 @@ class AcquireLease(_ShardCall):
     #: The reader assembles a version published as slices itself: for ``hf`` shard 0 of such
     #: a version that no assembled copy serves, the answer is a grant of layout ``hf.slices``
     #: (its ``num_shards``; no lease, no replicas) instead of the ``read_slices`` refusal.
-    #: Not with ``ahead``. Sent only to coordinators that said they answer it
+    #: (Asked ahead, the refusal as before.) Sent only to coordinators that said they answer it
     #: (``WorkerRegistered.slices_grant``).
     slices: bool = False
 
